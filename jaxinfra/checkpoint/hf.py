@@ -1,0 +1,190 @@
+"""Hugging Face checkpoints: load safetensors (single or sharded, memory-mapped) and export back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+from jaxinfra.config import ModelConfig
+from jaxinfra.models import LlamaModel
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+# HF tensors that carry no weights of their own (buffers older exports saved).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """How one of our parameters is stored in HF: its name and layout.
+
+    kind "same": identical shape; "flat": HF flattens it; "linear": HF's nn.Linear [out, in] where
+    our first `n_in` dims are the input and the rest the output.
+    """
+
+    hf_name: str
+    kind: str
+    n_in: int = 1
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.kind == "same":
+            return shape
+        if self.kind == "flat":
+            return (math.prod(shape),)
+        return (math.prod(shape[self.n_in:]), math.prod(shape[:self.n_in]))
+
+    def to_ours(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return w.T.reshape(shape) if self.kind == "linear" else w.reshape(shape)
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        if self.kind == "linear":
+            return np.ascontiguousarray(w.reshape(math.prod(w.shape[:self.n_in]), -1).T)
+        return w.reshape(self.hf_shape(w.shape))
+
+
+_LAYER_MAP = {
+    ("input_norm", "scale"): TensorMap("input_layernorm.weight", "same"),
+    ("post_attn_norm", "scale"): TensorMap("post_attention_layernorm.weight", "same"),
+    ("attn", "q_proj"): TensorMap("self_attn.q_proj.weight", "linear"),
+    ("attn", "k_proj"): TensorMap("self_attn.k_proj.weight", "linear"),
+    ("attn", "v_proj"): TensorMap("self_attn.v_proj.weight", "linear"),
+    ("attn", "o_proj"): TensorMap("self_attn.o_proj.weight", "linear", n_in=2),
+    ("attn", "q_bias"): TensorMap("self_attn.q_proj.bias", "flat"),
+    ("attn", "k_bias"): TensorMap("self_attn.k_proj.bias", "flat"),
+    ("attn", "v_bias"): TensorMap("self_attn.v_proj.bias", "flat"),
+    ("attn", "o_bias"): TensorMap("self_attn.o_proj.bias", "flat"),
+    ("attn", "q_norm", "scale"): TensorMap("self_attn.q_norm.weight", "same"),
+    ("attn", "k_norm", "scale"): TensorMap("self_attn.k_norm.weight", "same"),
+    ("mlp", "gate_proj"): TensorMap("mlp.gate_proj.weight", "linear"),
+    ("mlp", "up_proj"): TensorMap("mlp.up_proj.weight", "linear"),
+    ("mlp", "down_proj"): TensorMap("mlp.down_proj.weight", "linear"),
+}
+_TOP_MAP = {
+    ("embed",): TensorMap("model.embed_tokens.weight", "same"),
+    ("norm", "scale"): TensorMap("model.norm.weight", "same"),
+    ("lm_head",): TensorMap("lm_head.weight", "linear"),
+}
+
+
+def tensor_map(path: tuple) -> TensorMap:
+    """The HF name and layout of the parameter at `path` in our model state."""
+    if path[0] == "layers":
+        m = _LAYER_MAP[tuple(path[2:])]
+        return dataclasses.replace(m, hf_name=f"model.layers.{path[1]}.{m.hf_name}")
+    return _TOP_MAP[tuple(path)]
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: no *.safetensors files found")
+    return files
+
+
+class _TensorReader:
+    """Name -> lazily read numpy array across all safetensors files of a checkpoint (memory-mapped)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.handles = [safe_open(str(p), framework="numpy") for p in _safetensors_files(directory)]
+        self.where = {name: h for h in self.handles for name in h.keys()}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self.where[name].get_tensor(name)
+
+
+def _abstract_model(cfg: ModelConfig, attn_impl: str | None) -> tuple[nnx.GraphDef, nnx.State]:
+    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl))
+    return nnx.split(abstract)
+
+
+def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: str | None = None) -> LlamaModel:
+    """Build a LlamaModel from a local HF directory; every tensor is checked by name and shape."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    cfg = ModelConfig.from_hf(directory / "config.json")
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    graphdef, state = _abstract_model(cfg, attn_impl)
+    reader = _TensorReader(directory)
+    flat = nnx.to_flat_state(state)
+    expected = {tensor_map(path).hf_name for path, _ in flat}
+    unexpected = sorted(n for n in reader.where if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                        and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    if unexpected:
+        raise ValueError(f"{directory}: unexpected tensor(s) for {cfg.model_type}: {unexpected[:8]}")
+    loaded = []
+    for path, var in tqdm(flat, desc=f"loading {directory.name}", unit="tensor", leave=False):
+        m = tensor_map(path)
+        if m.hf_name not in reader.where:
+            raise ValueError(f"{directory}: missing tensor {m.hf_name!r}")
+        want = m.hf_shape(var.shape)
+        got = reader.shape(m.hf_name)
+        if got != want:
+            raise ValueError(f"{directory}: tensor {m.hf_name!r} has shape {list(got)}, expected {list(want)}")
+        value = m.to_ours(reader.read(m.hf_name), var.shape)
+        loaded.append((path, var.replace(value=jnp.asarray(value, dtype=cfg.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _hf_tensors(model: LlamaModel, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        w = np.asarray(var[...])
+        yield tensor_map(path).hf_name, w.astype(jnp.dtype(dtype)) if dtype else w
+
+
+def export_hf(
+    model: LlamaModel, out_dir: str | Path, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Write config.json and model*.safetensors (sharded with an index past `max_shard_bytes`)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg.replace(dtype=dtype) if dtype else model.cfg
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, w in _hf_tensors(model, dtype):
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out_dir / fname), metadata=meta)
+            weight_map.update({name: fname for name in shard})
+        total = sum(w.nbytes for shard in shards for w in shard.values())
+        with open(out_dir / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(out_dir / "config.json", "w") as f:
+        json.dump(cfg.to_hf(), f, indent=2)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file() and src.resolve() != (out_dir / name).resolve():
+                shutil.copy(src, out_dir / name)
+    return out_dir

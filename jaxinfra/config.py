@@ -1,0 +1,233 @@
+"""Model configuration: one dataclass for the Llama family, read from YAML presets or HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+MODEL_PRESETS_DIR = CONFIGS_DIR / "models"
+
+# HF model_type -> (architecture class name written on export).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: Llama 3.1 ("llama3") or position interpolation ("linear")."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_scaling.rope_type: unsupported {self.rope_type!r} (llama3, linear)")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flags of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    model_type: str = "llama"
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    attn_logit_softcap: float | None = None
+    initializer_range: float = 0.02
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.eos_token_id, int):
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
+        object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id or ()))
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.model_type not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.model_type: unsupported {self.model_type!r}; "
+                             f"supported: {sorted(ARCHITECTURES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelConfig.sliding_window must be > 0 or null, got {self.sliding_window}")
+
+    @property
+    def num_params(self) -> int:
+        """Number of parameters, counting a tied embedding once."""
+        e, d = self.hidden_size, self.head_dim
+        attn = e * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += (self.num_heads + 2 * self.num_kv_heads) * d * self.qkv_bias + e * self.o_bias
+        attn += 2 * d * self.qk_norm
+        layer = attn + 3 * e * self.intermediate_size + 2 * e
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.vocab_size * e + self.num_layers * layer + e + head
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        """KV-cache bytes one token occupies across all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- YAML presets -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown ModelConfig field(s) {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"{source}: {e}") from e
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ModelConfig":
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f) or {}, source=str(path))
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ModelConfig":
+        path = MODEL_PRESETS_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ValueError(f"unknown model preset {name!r}; available: {list_presets()}")
+        return cls.from_yaml(path)
+
+    # --- Hugging Face config.json ---------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config: str | Path | dict[str, Any]) -> "ModelConfig":
+        """Read a Hugging Face config.json (path, directory or dict), transformers v4 or v5 style."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            with open(path) as f:
+                config = json.load(f)
+        model_type = config.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"config.json: unsupported model_type {model_type!r} "
+                             f"(architectures {config.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
+        if config.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu)")
+        rope = dict(config.get("rope_parameters") or {})
+        rope.update(config.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        scaling = None
+        if rope_type not in (None, "default"):
+            fields = {f.name for f in dataclasses.fields(RopeScaling)}
+            scaling = RopeScaling(rope_type=rope_type, **{k: v for k, v in rope.items() if k in fields})
+        attention_bias = bool(config.get("attention_bias", False))
+        sliding_window = config.get("sliding_window")
+        if model_type in ("qwen2", "qwen3"):
+            if config.get("use_sliding_window"):
+                raise ValueError("config.json: use_sliding_window=true (per-layer windows) is not supported")
+            sliding_window = None
+        eos = config.get("eos_token_id")
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            head_dim=config.get("head_dim"),
+            model_type=model_type,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            initializer_range=config.get("initializer_range", 0.02),
+            dtype=dtype if dtype in DTYPES else "float32",
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=() if eos is None else eos,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json `transformers` needs to rebuild this model."""
+        if self.attn_logit_softcap is not None:
+            raise ValueError("attn_logit_softcap has no Llama-family HF equivalent; cannot export")
+        if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
+            raise ValueError("qwen2 export needs qkv_bias=true and o_bias=false")
+        if self.model_type != "qwen2" and self.qkv_bias != self.o_bias:
+            raise ValueError(f"{self.model_type} export needs qkv_bias == o_bias (attention_bias)")
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise ValueError("qk_norm is exported only as model_type qwen3")
+        if self.sliding_window is not None and self.model_type != "mistral":
+            raise ValueError("sliding_window is exported only as model_type mistral")
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dataclasses.asdict(self.rope_scaling) if self.rope_scaling else None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "torch_dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
+        }
+        if self.model_type != "qwen2":
+            out["attention_bias"] = self.o_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        return out
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in MODEL_PRESETS_DIR.glob("*.yaml"))

@@ -1,0 +1,5 @@
+"""Model definitions."""
+
+from jaxinfra.models.llama import LlamaModel
+
+__all__ = ["LlamaModel"]

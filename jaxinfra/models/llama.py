@@ -1,0 +1,171 @@
+"""One Flax NNX decoder for the Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3), set by ModelConfig."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxinfra.config import ModelConfig
+from jaxinfra.models.rope import apply_rope, inverse_frequencies
+from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, attend
+from sharding import constrain
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype: str) -> nnx.Param:
+    """A normally initialised parameter that carries its logical axis names."""
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: str) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, with the statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, axis: str, dtype: str) -> None:
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), logical_axes=(axis,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention; K/V storage and lookup are delegated to pallas_kernels.attend."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
+        e, h, kh, d, std, dt = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                cfg.initializer_range, cfg.dtype)
+        self.cfg = cfg
+        self.attn_impl = attn_impl
+        self.q_proj = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), std, dt)
+        self.k_proj = _param(rngs, (e, kh, d), ("embed", "kv_heads", "head_dim"), std, dt)
+        self.v_proj = _param(rngs, (e, kh, d), ("embed", "kv_heads", "head_dim"), std, dt)
+        self.o_proj = _param(rngs, (h, d, e), ("heads", "head_dim", "embed"), std, dt)
+        if cfg.qkv_bias:
+            self.q_bias = _zeros((h, d), ("heads", "head_dim"), dt)
+            self.k_bias = _zeros((kh, d), ("kv_heads", "head_dim"), dt)
+            self.v_bias = _zeros((kh, d), ("kv_heads", "head_dim"), dt)
+        if cfg.o_bias:
+            self.o_bias = _zeros((e,), ("embed",), dt)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, "head_dim", dt)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, "head_dim", dt)
+
+    def __call__(
+        self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        cache: KVCache | None,
+    ) -> tuple[Float[Array, "B T E"], KVCache | None]:
+        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
+        k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...])
+        v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...])
+        if self.cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        out, cache = attend(q, k, v, metadata, cache, sliding_window=self.cfg.sliding_window,
+                            logit_softcap=self.cfg.attn_logit_softcap, impl=self.attn_impl)
+        y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...])
+        if self.cfg.o_bias:
+            y = y + self.o_bias[...]
+        return y, cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        e, m, std, dt = cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, cfg.dtype
+        self.gate_proj = _param(rngs, (e, m), ("embed", "mlp"), std, dt)
+        self.up_proj = _param(rngs, (e, m), ("embed", "mlp"), std, dt)
+        self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), std, dt)
+
+    def __call__(self, x: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
+        h = constrain(h, ("batch", "length", "mlp"))
+        return h @ self.down_proj[...]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", cfg.dtype)
+        self.attn = Attention(cfg, rngs, attn_impl)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", cfg.dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(
+        self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        cache: KVCache | None,
+    ) -> tuple[Float[Array, "B T E"], KVCache | None]:
+        h, cache = self.attn(self.input_norm(x), positions, metadata, cache)
+        x = x + h
+        x = x + self.mlp(self.post_attn_norm(x))
+        return constrain(x, ("batch", "length", "embed")), cache
+
+
+class LlamaModel(nnx.Module):
+    """Decoder-only LM. `model(input_ids)` -> float32 logits; `forward` also threads KV caches."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
+        self.cfg = cfg
+        std, dt = cfg.initializer_range, cfg.dtype
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), std, dt)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dt)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std, dt)
+
+    def hidden_states(
+        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        caches: list[KVCache] | None = None,
+    ) -> tuple[Float[Array, "B T E"], list[KVCache] | None]:
+        """Final-norm hidden states (before the LM head) and the updated per-layer caches."""
+        x = jnp.take(self.embed[...], input_ids, axis=0)
+        x = constrain(x, ("batch", "length", "embed"))
+        new_caches = [] if caches is not None else None
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions, metadata, None if caches is None else caches[i])
+            if new_caches is not None:
+                new_caches.append(cache)
+        return self.norm(x), new_caches
+
+    def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
+        """LM head (tied to the embedding when configured), float32 output."""
+        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+    def forward(
+        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        caches: list[KVCache] | None = None,
+    ) -> tuple[Float[Array, "B T V"], list[KVCache] | None]:
+        h, caches = self.hidden_states(input_ids, positions, metadata, caches)
+        return self.logits(h), caches
+
+    def __call__(
+        self, input_ids: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
+        positions: Int[Array, "B T"] | None = None,
+    ) -> Float[Array, "B T V"]:
+        """Causal forward over whole rows (optionally packed: segment ids and per-document positions)."""
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        logits, _ = self.forward(input_ids, positions, DenseMetadata(segment_ids=segment_ids))
+        return logits
+
+    def init_caches(self, batch: int, max_len: int, dtype: str | None = None) -> list[KVCache]:
+        """Zeroed contiguous KV caches, one per layer."""
+        cfg = self.cfg
+        return [KVCache.zeros(batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or cfg.dtype)
+                for _ in range(cfg.num_layers)]

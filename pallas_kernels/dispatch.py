@@ -1,0 +1,102 @@
+"""One entry point for attention: picks the implementation and routes on the metadata type."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.attention_reference import mha_reference
+from pallas_kernels.metadata import AttentionMetadata, ContiguousCacheMetadata, DenseMetadata, KVCache
+
+Impl = Literal["reference", "xla", "cudnn"]
+IMPLS: tuple[str, ...] = ("reference", "xla", "cudnn")
+
+
+def default_impl() -> str:
+    """The implementation used when none is asked for on this backend."""
+    return "reference"
+
+
+def _check_impl(impl: str | None) -> str:
+    impl = default_impl() if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _jax_nn_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str, causal: bool,
+    q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
+    sliding_window: int | None, logit_softcap: float | None, scale: float | None,
+) -> jax.Array:
+    """jax.nn.dot_product_attention (XLA or cuDNN), a baseline for our kernels."""
+    if logit_softcap is not None:
+        raise ValueError(f"impl={implementation!r} does not support logit_softcap")
+    mask = None
+    if q_segment_ids is not None:
+        if implementation == "cudnn":
+            raise ValueError("impl='cudnn' does not support segment_ids")
+        mask = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
+    if q.shape[1] != k.shape[1] and causal:
+        raise ValueError(f"impl={implementation!r} needs T == S for causal attention")
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=window,
+        implementation=implementation)
+
+
+def dot_product_attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S KH D"],
+    v: Float[Array, "B S KH D"],
+    *,
+    causal: bool = True,
+    q_segment_ids: Int[Array, "B T"] | None = None,
+    kv_segment_ids: Int[Array, "B S"] | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    impl: str | None = None,
+) -> Float[Array, "B T H D"]:
+    """Dense attention (queries aligned to the end of the keys) by the chosen implementation."""
+    impl = _check_impl(impl)
+    kwargs = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    if impl == "reference":
+        return mha_reference(q, k, v, **kwargs)
+    return _jax_nn_attention(q, k, v, implementation=impl, **kwargs)
+
+
+def attend(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B T KH D"],
+    v: Float[Array, "B T KH D"],
+    metadata: AttentionMetadata,
+    cache: KVCache | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    impl: str | None = None,
+) -> tuple[Float[Array, "B T H D"], KVCache | None]:
+    """The attention layer's single call: store new K/V where the metadata says, then attend."""
+    common = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    if isinstance(metadata, DenseMetadata):
+        seg = metadata.segment_ids
+        out = dot_product_attention(q, k, v, causal=metadata.causal, q_segment_ids=seg,
+                                    kv_segment_ids=seg, impl=impl, **common)
+        return out, cache
+    if isinstance(metadata, ContiguousCacheMetadata):
+        if cache is None:
+            raise ValueError("ContiguousCacheMetadata needs a KVCache")
+        rows = jnp.arange(q.shape[0])[:, None]
+        cache = KVCache(cache.k.at[rows, metadata.positions].set(k.astype(cache.k.dtype)),
+                        cache.v.at[rows, metadata.positions].set(v.astype(cache.v.dtype)))
+        b, s = cache.k.shape[:2]
+        out = mha_reference(q, cache.k, cache.v, causal=True, q_positions=metadata.positions,
+                            kv_positions=jnp.broadcast_to(jnp.arange(s), (b, s)), **common)
+        return out, cache
+    raise TypeError(f"unsupported attention metadata {type(metadata).__name__}")

@@ -1,0 +1,52 @@
+"""Logical axis names -> mesh axes. Model code names axes; only this package maps them to a mesh."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab")
+MeshAxes = str | tuple[str, ...] | None
+Rules = Mapping[str, MeshAxes]
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("rules", default=None)
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
+    """PartitionSpec for logical `names` under `rules` (unmapped names are replicated)."""
+    unknown = [n for n in names if n is not None and n not in LOGICAL_AXES]
+    if unknown:
+        raise ValueError(f"unknown logical axis name(s) {unknown}; known: {LOGICAL_AXES}")
+    spec, used = [], set()
+    for name in names:
+        axes = rules.get(name) if name is not None else None
+        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        flat = tuple(a for a in flat if a not in used)  # a mesh axis may shard one dim only
+        used.update(flat)
+        spec.append(None if not flat else flat[0] if len(flat) == 1 else flat)
+    return PartitionSpec(*spec)
+
+
+@contextlib.contextmanager
+def logical_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Within this block, `constrain` shards activations on `mesh` by `rules`."""
+    token = _ACTIVE.set((mesh, dict(rules)))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation by logical names; identity when no rules are active."""
+    if len(names) != x.ndim:
+        raise ValueError(f"{len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))

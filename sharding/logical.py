@@ -7,6 +7,7 @@ import contextvars
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab")
@@ -50,3 +51,13 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+
+
+def shard_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """Place each variable on `mesh` by its `logical_axes` metadata (replicated where it has none)."""
+
+    def place(var: nnx.Variable) -> nnx.Variable:
+        names = var.get_metadata().get("logical_axes", (None,) * var.ndim)
+        return var.replace(value=jax.device_put(var[...], NamedSharding(mesh, logical_to_spec(names, rules))))
+
+    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -148,8 +148,9 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
 
 def _hf_tensors(model: LlamaModel, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        w = np.asarray(var[...])
-        yield tensor_map(path).hf_name, w.astype(jnp.dtype(dtype)) if dtype else w
+        m = tensor_map(path)
+        w = m.to_hf(np.asarray(var[...]))
+        yield m.hf_name, w.astype(jnp.dtype(dtype)) if dtype else w
 
 
 def export_hf(

@@ -1,0 +1,7 @@
+"""python -m jaxinfra"""
+
+import sys
+
+from jaxinfra.cli import main
+
+sys.exit(main())

@@ -1,0 +1,128 @@
+"""The `jaxinfra` command line: generate, convert, info."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from jaxinfra.loading import DEFAULT_MODEL
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '200MiB', '1024' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 5GB, 200MiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from jaxinfra.generate import GenerationConfig, generate_text
+    from jaxinfra.loading import load_model, load_tokenizer
+
+    config = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    model = load_model(args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for prompt, text in zip(args.prompt, generate_text(model, tokenizer, prompts, config)):
+        print(f"{prompt}{text}" if not args.chat else text)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jaxinfra.checkpoint import export_hf
+    from jaxinfra.loading import load_model, load_tokenizer
+
+    model = load_model(args.model, dtype=args.dtype)
+    out = export_hf(model, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                    tokenizer_dir=args.model if Path(args.model).is_dir() else None)
+    if not Path(args.model).is_dir():
+        load_tokenizer(args.model).save(out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from jaxinfra.loading import load_config
+
+    cfg = load_config(args.model)
+    dtype = args.dtype or cfg.dtype
+    width = jnp.dtype(dtype).itemsize
+    n = cfg.num_params
+    rows = [
+        ("model", str(args.model)),
+        ("architecture", f"{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+                         f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, "
+                         f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}"),
+        ("parameters", f"{n:,}"),
+        (f"weight bytes ({dtype})", f"{n * width:,} ({_human(n * width)})"),
+        (f"kv-cache bytes/token ({dtype})", f"{cfg.kv_bytes_per_token(width):,}"),
+        ("max context", f"{cfg.max_position_embeddings:,}"),
+    ]
+    for key, value in rows:
+        print(f"{key:<30} {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfra", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    model_help = f"local Hugging Face directory or preset name (default {DEFAULT_MODEL})"
+    dtypes = ("float32", "bfloat16", "float16")
+
+    gen = sub.add_parser("generate", help="generate text with the reference decoder")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", choices=dtypes, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    gen.set_defaults(func=_cmd_generate)
+
+    conv = sub.add_parser("convert", help="export a model to a Hugging Face directory (safetensors)")
+    conv.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    conv.add_argument("--out", required=True, help="output directory")
+    conv.add_argument("--dtype", choices=dtypes, default=None)
+    conv.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
+    conv.set_defaults(func=_cmd_convert)
+
+    info = sub.add_parser("info", help="parameter count, weight bytes and KV-cache bytes per token")
+    info.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    info.add_argument("--dtype", choices=dtypes, default=None)
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"jaxinfra {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,7 +32,7 @@ SHARDED_FORWARD = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp, numpy as np
     from flax import nnx
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, PartitionSpec as P
     import jaxinfra
     from sharding import logical_rules, shard_state
 
@@ -43,7 +43,7 @@ SHARDED_FORWARD = textwrap.dedent("""
     want = np.asarray(model(ids))
     graphdef, state = nnx.split(model)
     state = shard_state(state, mesh, rules)
-    assert state["layers"][0]["mlp"]["up_proj"][...].sharding.spec == (None, "tensor")
+    assert state["layers"][0]["mlp"]["up_proj"][...].sharding.spec == P(None, "tensor")
     with logical_rules(mesh, rules):
         got = jax.jit(lambda st, i: nnx.merge(graphdef, st)(i))(state, ids)
     assert len(got.sharding.device_set) == 8, got.sharding

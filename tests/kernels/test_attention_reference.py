@@ -8,7 +8,6 @@ import pytest
 from pallas_kernels import (ContiguousCacheMetadata, DenseMetadata, KVCache, attend, dot_product_attention,
                             mha_reference)
 
-pytestmark = pytest.mark.kernels
 
 
 def _qkv(b, t, s, h, kh, d, seed=0, dtype=jnp.float32):

@@ -1,0 +1,38 @@
+# Setup is idempotent: a project-local venv, re-installed only when pyproject.toml changes.
+PYTHON ?= python3.11
+PYTHON_NEWEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+VENV ?= .venv
+VENV_NEWEST ?= .venv-newest-jax
+PROMPT ?= Once upon a time
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-kernels-newest ci
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+# The main job on the embedded default model.
+run: setup
+	$(VENV)/bin/jaxinfra generate --prompt "$(PROMPT)" --max-tokens 32
+
+test: setup
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# Kernel tests (Pallas interpret mode) on Python 3.12 with the newest jax, as on the GPU machine.
+$(VENV_NEWEST)/.installed: pyproject.toml
+	test -x $(VENV_NEWEST)/bin/python || $(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade jax jaxtyping numpy pytest
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+test-kernels-newest: $(VENV_NEWEST)/.installed
+	$(VENV_NEWEST)/bin/python -c "import jax; print('newest-jax venv: jax', jax.__version__)"
+	$(VENV_NEWEST)/bin/python -m pytest -q -p no:cacheprovider tests/kernels
+
+ci: test test-kernels-newest

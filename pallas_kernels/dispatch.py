@@ -9,15 +9,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention_reference import mha_reference
+from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.metadata import AttentionMetadata, ContiguousCacheMetadata, DenseMetadata, KVCache
 
-Impl = Literal["reference", "xla", "cudnn"]
-IMPLS: tuple[str, ...] = ("reference", "xla", "cudnn")
+Impl = Literal["pallas", "reference", "xla", "cudnn"]
+IMPLS: tuple[str, ...] = ("pallas", "reference", "xla", "cudnn")
 
 
 def default_impl() -> str:
-    """The implementation used when none is asked for on this backend."""
-    return "reference"
+    """Our Pallas kernels on GPU; the jnp reference elsewhere (Pallas runs interpreted off GPU)."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def _check_impl(impl: str | None) -> str:
@@ -67,6 +68,8 @@ def dot_product_attention(
                   sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     if impl == "reference":
         return mha_reference(q, k, v, **kwargs)
+    if impl == "pallas":
+        return flash_attention(q, k, v, **kwargs)
     return _jax_nn_attention(q, k, v, implementation=impl, **kwargs)
 
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One GPU session: correctness of our kernels on the device, then every kernel and end-to-end
+# benchmark, then a short table. Budget: under 8 minutes on one H200.
+#   device run:  bash benchmarks/gpu_suite.sh            (results under $OUT, or benchmarks/out)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+PY="${PYTHON:-python3}"
+status=0
+
+step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, remember failures
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "!!! $name failed (rc=$rc)"; status=1; }
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
+
+# 1. Correctness: the kernel tests compiled for the GPU (not interpreted).
+step kernel_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/kernels
+# 2. Kernel benchmarks.
+step attention 240 $PY -m benchmarks.attention --out "$OUT"
+
+echo
+echo "================ summary ================"
+for f in "$OUT"/kernel_tests.log; do tail -n 1 "$f"; done
+sed -n '/measured matmul peak/,$p' "$OUT/attention.log"
+exit $status

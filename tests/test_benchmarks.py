@@ -1,0 +1,19 @@
+"""The benchmark scripts run end to end (tiny shapes on CPU), so the GPU suite does not rot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_attention_benchmark_quick(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.attention", "--quick", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    ours = [row for row in rows if row["impl"] == "ours"]
+    assert len(ours) == 2 and all(row["max_err"] < 2e-2 and row["fwd_ms"] > 0 for row in ours)
+    assert (tmp_path / "attention.png").stat().st_size > 1000
+    assert "measured matmul peak" in r.stdout

@@ -25,10 +25,12 @@ $PY -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__ve
 # 1. Correctness: the kernel tests compiled for the GPU (not interpreted).
 step kernel_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/kernels
 # 2. Kernel benchmarks.
-step attention 240 $PY -m benchmarks.attention --out "$OUT"
+step attention 200 $PY -m benchmarks.attention --out "$OUT"
+step paged_attention 200 $PY -m benchmarks.paged_attention --out "$OUT"
 
 echo
 echo "================ summary ================"
 for f in "$OUT"/kernel_tests.log; do tail -n 1 "$f"; done
 sed -n '/measured matmul peak/,$p' "$OUT/attention.log"
+sed -n '/measured copy bandwidth/,$p' "$OUT/paged_attention.log"
 exit $status

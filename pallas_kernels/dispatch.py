@@ -10,7 +10,11 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention_reference import mha_reference
 from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.metadata import AttentionMetadata, ContiguousCacheMetadata, DenseMetadata, KVCache
+from pallas_kernels.metadata import (AttentionMetadata, ContiguousCacheMetadata, DenseMetadata, KVCache,
+                                     PagedKVCache, PagedMetadata)
+from pallas_kernels.paged_attention import paged_attention as paged_attention_pallas
+from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_paged_attention_pallas
 
 Impl = Literal["pallas", "reference", "xla", "cudnn"]
 IMPLS: tuple[str, ...] = ("pallas", "reference", "xla", "cudnn")
@@ -73,18 +77,48 @@ def dot_product_attention(
     return _jax_nn_attention(q, k, v, implementation=impl, **kwargs)
 
 
+def _paged_impl(impl: str | None) -> str:
+    impl = _check_impl(impl)
+    if impl not in ("pallas", "reference"):
+        raise ValueError(f"paged attention impl must be 'pallas' or 'reference', got {impl!r}")
+    return impl
+
+
+def ragged_paged_attention(
+    q: Float[Array, "N H D"], cache: PagedKVCache, metadata: PagedMetadata, *,
+    sliding_window: int | None = None, logit_softcap: float | None = None, scale: float | None = None,
+    impl: str | None = None,
+) -> Float[Array, "N H D"]:
+    """Mixed prefill/decode attention of a flat token batch over the paged cache."""
+    fn = ragged_paged_attention_pallas if _paged_impl(impl) == "pallas" else ragged_paged_attention_reference
+    return fn(q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens,
+              k_scales=cache.k_scale, v_scales=cache.v_scale, sliding_window=sliding_window,
+              logit_softcap=logit_softcap, scale=scale, max_q_len=metadata.max_q_len)
+
+
+def paged_attention(
+    q: Float[Array, "S H D"], cache: PagedKVCache, block_tables: Int[Array, "S MB"],
+    context_lens: Int[Array, "S"], *, sliding_window: int | None = None, logit_softcap: float | None = None,
+    scale: float | None = None, impl: str | None = None,
+) -> Float[Array, "S H D"]:
+    """Decode attention: one new query per sequence over its pages."""
+    fn = paged_attention_pallas if _paged_impl(impl) == "pallas" else paged_attention_reference
+    return fn(q, cache.k, cache.v, block_tables, context_lens, k_scales=cache.k_scale, v_scales=cache.v_scale,
+              sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+
+
 def attend(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B T KH D"],
     v: Float[Array, "B T KH D"],
     metadata: AttentionMetadata,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
     impl: str | None = None,
-) -> tuple[Float[Array, "B T H D"], KVCache | None]:
+) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
     """The attention layer's single call: store new K/V where the metadata says, then attend."""
     common = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     if isinstance(metadata, DenseMetadata):
@@ -102,4 +136,11 @@ def attend(
         out = mha_reference(q, cache.k, cache.v, causal=True, q_positions=metadata.positions,
                             kv_positions=jnp.broadcast_to(jnp.arange(s), (b, s)), **common)
         return out, cache
+    if isinstance(metadata, PagedMetadata):
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError("PagedMetadata needs a PagedKVCache")
+        b, t, h, d = q.shape
+        cache = cache.write(k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), metadata.slot_mapping)
+        out = ragged_paged_attention(q.reshape(b * t, h, d), cache, metadata, impl=impl, **common)
+        return out.reshape(b, t, h, d), cache
     raise TypeError(f"unsupported attention metadata {type(metadata).__name__}")

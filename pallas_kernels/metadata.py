@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_quant import quantize
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -46,4 +48,63 @@ class KVCache:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-AttentionMetadata = DenseMetadata | ContiguousCacheMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedMetadata:
+    """A flat ragged token batch over a paged KV pool (serving).
+
+    Sequence s brings new tokens cu_q_lens[s]:cu_q_lens[s+1] and has kv_lens[s] keys including them;
+    its pages are block_tables[s]. slot_mapping[n] = block * block_size + offset where token n's K/V
+    go (-1 for padding tokens). `max_q_len` (static) bounds any sequence's new tokens.
+    """
+
+    slot_mapping: Int[Array, "N"]
+    block_tables: Int[Array, "S MB"]
+    cu_q_lens: Int[Array, "S1"]
+    kv_lens: Int[Array, "S"]
+    max_q_len: int | None = dataclasses.field(default=None, metadata={"static": True})
+
+
+def _scatter_slots(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    flat = pool.reshape(-1, *pool.shape[2:])
+    slots = jnp.where(slots < 0, flat.shape[0], slots)  # padding -> out of range -> dropped
+    return flat.at[slots].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """One layer's paged K/V pools [num_blocks, block_size, num_kv_heads, head_dim].
+
+    int8 pools carry per-token, per-head float32 scales [num_blocks, block_size, num_kv_heads].
+    """
+
+    k: Float[Array, "NB BS KH D"]
+    v: Float[Array, "NB BS KH D"]
+    k_scale: Float[Array, "NB BS KH"] | None = None
+    v_scale: Float[Array, "NB BS KH"] | None = None
+
+    @classmethod
+    def zeros(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype) -> "PagedKVCache":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if jnp.dtype(dtype) == jnp.int8:
+            scales = jnp.ones(shape[:3], jnp.float32)
+            return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scales, scales)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def write(self, k: Float[Array, "N KH D"], v: Float[Array, "N KH D"], slots: Int[Array, "N"]) -> "PagedKVCache":
+        """Scatter new K/V into their slots (jit with the cache donated: updated in place)."""
+        if not self.quantized:
+            return PagedKVCache(_scatter_slots(self.k, k, slots), _scatter_slots(self.v, v, slots))
+        (kq, ks), (vq, vs) = quantize(k), quantize(v)
+        return PagedKVCache(_scatter_slots(self.k, kq, slots), _scatter_slots(self.v, vq, slots),
+                            _scatter_slots(self.k_scale, ks, slots), _scatter_slots(self.v_scale, vs, slots))
+
+
+AttentionMetadata = DenseMetadata | ContiguousCacheMetadata | PagedMetadata

@@ -17,3 +17,13 @@ def test_attention_benchmark_quick(tmp_path):
     assert len(ours) == 2 and all(row["max_err"] < 2e-2 and row["fwd_ms"] > 0 for row in ours)
     assert (tmp_path / "attention.png").stat().st_size > 1000
     assert "measured matmul peak" in r.stdout
+
+
+def test_paged_attention_benchmark_quick(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.paged_attention", "--quick", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "paged_attention.json").read_text())
+    ours = [row for row in result["decode"] if row["impl"] == "ours"]
+    assert {row["kv"] for row in ours} == {"bf16", "int8"} and all(row["max_err"] < 2e-2 for row in ours)
+    assert result["prefill"][0]["max_err"] < 2e-2 and (tmp_path / "paged_attention.png").is_file()

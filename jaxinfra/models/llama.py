@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.rope import apply_rope, inverse_frequencies
-from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, attend
+from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
 from sharding import constrain
 
 
@@ -60,8 +60,8 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
-        cache: KVCache | None,
-    ) -> tuple[Float[Array, "B T E"], KVCache | None]:
+        cache: KVCache | PagedKVCache | None,
+    ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
         q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
         k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...])
         v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...])
@@ -107,8 +107,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(
         self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
-        cache: KVCache | None,
-    ) -> tuple[Float[Array, "B T E"], KVCache | None]:
+        cache: KVCache | PagedKVCache | None,
+    ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
         h, cache = self.attn(self.input_norm(x), positions, metadata, cache)
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
@@ -129,8 +129,8 @@ class LlamaModel(nnx.Module):
 
     def hidden_states(
         self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
-        caches: list[KVCache] | None = None,
-    ) -> tuple[Float[Array, "B T E"], list[KVCache] | None]:
+        caches: list[KVCache] | list[PagedKVCache] | None = None,
+    ) -> tuple[Float[Array, "B T E"], list | None]:
         """Final-norm hidden states (before the LM head) and the updated per-layer caches."""
         x = jnp.take(self.embed[...], input_ids, axis=0)
         x = constrain(x, ("batch", "length", "embed"))
@@ -148,8 +148,8 @@ class LlamaModel(nnx.Module):
 
     def forward(
         self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
-        caches: list[KVCache] | None = None,
-    ) -> tuple[Float[Array, "B T V"], list[KVCache] | None]:
+        caches: list[KVCache] | list[PagedKVCache] | None = None,
+    ) -> tuple[Float[Array, "B T V"], list | None]:
         h, caches = self.hidden_states(input_ids, positions, metadata, caches)
         return self.logits(h), caches
 

@@ -1,0 +1,218 @@
+"""Ragged paged attention in Pallas (Triton lowering): one kernel for decode, prefill chunks and mixes.
+
+The flat token batch is cut into work tiles of `tokens` new tokens of one sequence; a tile's rows
+are (token x query head of one KV group), so each K/V page is loaded once for the whole group.
+Pages are found through the block table, several per step; split-K cuts a long context into
+`num_splits` page ranges whose partial results are merged by log-sum-exp. Only pages the sequence
+owns are ever read. K/V may be int8 with per-token, per-head scales, dequantised in the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    tokens: int          # new tokens per work tile
+    group: int           # query heads per KV head, padded to a power of two
+    page_size: int
+    pages_per_tile: int  # pages loaded per inner step
+    pages_per_split: int
+    window: int | None
+    softcap: float | None
+    scale: float
+    quantized: bool
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.group
+
+    @property
+    def block_k(self) -> int:
+        return self.pages_per_tile * self.page_size
+
+
+def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _load_pages(pool_ref, scale_ref, ids: jax.Array, st: _Static, dtype: jnp.dtype) -> jax.Array:
+    x = pool_ref[ids].reshape(st.block_k, -1)
+    if st.quantized:
+        x = x.astype(jnp.float32) * scale_ref[ids].reshape(st.block_k)[:, None]
+    return x.astype(dtype)
+
+
+def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, *, st: _Static):
+    t, split = pl.program_id(0), pl.program_id(2)
+    seq, q_start, q_len, kv_len = info_ref[t, 0], info_ref[t, 1], info_ref[t, 2], info_ref[t, 3]
+    q = q_ref[...].reshape(st.rows, -1)
+    tok = q_start + lax.broadcasted_iota(jnp.int32, (st.rows,), 0) // st.group
+    pos = kv_len - q_len + tok
+    row_valid = tok < q_len
+    # Keys this tile can see: up to its last token's position, from the window's start.
+    visible_end = kv_len - q_len + jnp.minimum(q_start + st.tokens, q_len)
+    num_pages = lax.div(jnp.maximum(visible_end, 0) + st.page_size - 1, st.page_size)
+    first_page = jnp.int32(0)
+    if st.window is not None:
+        first_page = lax.div(jnp.maximum(kv_len - q_len + q_start - st.window + 1, 0), st.page_size)
+    page_lo = jnp.maximum(first_page, split * st.pages_per_split)
+    page_hi = jnp.minimum(num_pages, (split + 1) * st.pages_per_split)
+    last_owned = bt_ref[seq, jnp.maximum(num_pages - 1, 0)]
+
+    def body(j, carry):
+        acc, m, l = carry
+        page_idx = j * st.pages_per_tile + lax.broadcasted_iota(jnp.int32, (st.pages_per_tile,), 0)
+        ids = bt_ref[seq, pl.ds(j * st.pages_per_tile, st.pages_per_tile)]
+        ids = jnp.where(page_idx < num_pages, ids, last_owned)  # never touch pages past the sequence
+        k = _load_pages(k_ref, ks_ref, ids, st, q.dtype)
+        v = _load_pages(v_ref, vs_ref, ids, st, q.dtype)
+        s = _dot(q, k, trans_b=True) * st.scale
+        if st.softcap is not None:
+            s = st.softcap * jnp.tanh(s / st.softcap)
+        kv_pos = j * st.block_k + lax.broadcasted_iota(jnp.int32, (st.block_k,), 0)
+        in_split = (kv_pos >= page_lo * st.page_size) & (kv_pos < page_hi * st.page_size)
+        mask = row_valid[:, None] & in_split[None, :] & (kv_pos[None, :] <= pos[:, None])
+        if st.window is not None:
+            mask &= pos[:, None] - kv_pos[None, :] < st.window
+        s = jnp.where(mask, s * LOG2E, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_safe[:, None])
+        corr = jnp.exp2(m - m_safe)
+        l = corr * l + jnp.sum(p, axis=-1)
+        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    d = q.shape[-1]
+    init = (jnp.zeros((st.rows, d), jnp.float32), jnp.full((st.rows,), -jnp.inf, jnp.float32),
+            jnp.zeros((st.rows,), jnp.float32))
+    j_lo = lax.div(page_lo, st.pages_per_tile)
+    j_hi = jnp.maximum(lax.div(page_hi + st.pages_per_tile - 1, st.pages_per_tile), j_lo)
+    acc, m, l = lax.fori_loop(j_lo, j_hi, body, init)
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[:, None]
+    o_ref[...] = out.reshape(st.tokens, st.group, d).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l))).reshape(st.tokens, st.group)
+
+
+def _work_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, tokens: int, num_tiles: int) -> jax.Array:
+    """[num_tiles, 4] int32 rows (seq, first new token, q_len, kv_len); unused tiles have q_len 0."""
+    s = kv_lens.shape[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    per_seq = (q_lens + tokens - 1) // tokens
+    ends = jnp.cumsum(per_seq)
+    t = jnp.arange(num_tiles)
+    seq = jnp.searchsorted(ends, t, side="right")
+    valid = seq < s
+    seq = jnp.minimum(seq, s - 1)
+    q_start = (t - (ends[seq] - per_seq[seq])) * tokens
+    return jnp.stack([seq, jnp.where(valid, q_start, 0), jnp.where(valid, q_lens[seq], 0),
+                      jnp.where(valid, kv_lens[seq], 0)], axis=1).astype(jnp.int32)
+
+
+def ragged_paged_attention(
+    q: Float[Array, "N H D"],
+    k_pool: Float[Array, "NB BS KH D"],
+    v_pool: Float[Array, "NB BS KH D"],
+    block_tables: Int[Array, "S MB"],
+    cu_q_lens: Int[Array, "S1"],
+    kv_lens: Int[Array, "S"],
+    *,
+    k_scales: Float[Array, "NB BS KH"] | None = None,
+    v_scales: Float[Array, "NB BS KH"] | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    max_q_len: int | None = None,
+    block_q: int = 16,
+    pages_per_tile: int | None = None,
+    num_splits: int = 1,
+    interpret: bool | None = None,
+) -> Float[Array, "N H D"]:
+    """Same contract as `ragged_paged_attention_reference`; `block_q` new tokens per work tile."""
+    n, h, d = q.shape
+    nb, bs, kh, dk = k_pool.shape
+    s, mb = block_tables.shape
+    if dk != d or v_pool.shape != k_pool.shape:
+        raise ValueError(f"q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}: head dims/pools differ")
+    if h % kh:
+        raise ValueError(f"num query heads {h} must be a multiple of num kv heads {kh}")
+    if bs & (bs - 1) or d & (d - 1):
+        raise ValueError(f"block_size ({bs}) and head_dim ({d}) must be powers of two")
+    if (k_scales is None) != (v_scales is None) or (k_scales is None) != (k_pool.dtype != jnp.int8):
+        raise ValueError("int8 pools need k_scales and v_scales; float pools take none")
+    if cu_q_lens.shape != (s + 1,) or kv_lens.shape != (s,):
+        raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")
+    tokens = max(1, min(block_q, pl.next_power_of_2(max_q_len or n)))
+    group = max(pl.next_power_of_2(h // kh), 16 // tokens)  # a tile needs >= 16 rows for the MMA
+    if pages_per_tile is None:
+        pages_per_tile = max(1, 64 // bs)
+    pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))
+    pages_per_split = pages_per_tile * pl.cdiv(pl.cdiv(mb, num_splits), pages_per_tile)
+    st = _Static(tokens=tokens, group=group, page_size=bs, pages_per_tile=pages_per_tile,
+                 pages_per_split=pages_per_split, window=sliding_window, softcap=logit_softcap,
+                 scale=d**-0.5 if scale is None else float(scale), quantized=k_scales is not None)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+
+    num_tiles = pl.cdiv(n, tokens) + s
+    cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    info = _work_tiles(cu_q_lens, kv_lens, tokens, num_tiles)
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -mb % pages_per_tile)))
+    # Gather the queries into tiles [T, tokens, KH, group, D] (zero rows for padding and extra heads).
+    r = jnp.arange(tokens)
+    flat = cu_q_lens[info[:, 0], None] + info[:, 1:2] + r[None, :]
+    valid = info[:, 1:2] + r[None, :] < info[:, 2:3]
+    qt = jnp.where(valid[..., None, None], q[jnp.clip(flat, 0, n - 1)], 0).reshape(num_tiles, tokens, kh, h // kh, d)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, group - h // kh), (0, 0)))
+    if k_scales is None:
+        k_scales = v_scales = jnp.ones((1, 1, kh), jnp.float32)
+    sq = pl.squeezed
+    pool_spec = pl.BlockSpec((nb, bs, sq, d), lambda t, g, c: (0, 0, g, 0))
+    scale_spec = pl.BlockSpec((k_scales.shape[0], k_scales.shape[1], sq), lambda t, g, c: (0, 0, g))
+    o, lse = pl.pallas_call(
+        functools.partial(_kernel, st=st),
+        grid=(num_tiles, kh, num_splits),
+        in_specs=[
+            pl.BlockSpec(info.shape, lambda t, g, c: (0, 0)),
+            pl.BlockSpec(bt.shape, lambda t, g, c: (0, 0)),
+            pl.BlockSpec((sq, tokens, sq, group, d), lambda t, g, c: (t, 0, g, 0, 0)),
+            pool_spec, pool_spec, scale_spec, scale_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((sq, sq, tokens, sq, group, d), lambda t, g, c: (t, c, 0, g, 0, 0)),
+            pl.BlockSpec((sq, sq, tokens, sq, group), lambda t, g, c: (t, c, 0, g, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group, d), jnp.float32),
+                   jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jaxinfra_ragged_paged_attention",
+    )(info, bt, qt, k_pool, v_pool, k_scales, v_scales)
+    # Merge the splits by log-sum-exp (base 2), then scatter tiles back to the flat token order.
+    top = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(w, axis=1)
+    out = jnp.sum(w[..., None] * o, axis=1) / jnp.where(total == 0, 1.0, total)[..., None]
+    tok = jnp.arange(n)
+    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), s - 1)
+    local = tok - cu_q_lens[seq]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    first_tile = jnp.cumsum((q_lens + tokens - 1) // tokens) - (q_lens + tokens - 1) // tokens
+    res = out[first_tile[seq] + local // tokens, local % tokens, :, : h // kh].reshape(n, h, d)
+    return jnp.where((tok < cu_q_lens[-1])[:, None, None], res, 0).astype(q.dtype)

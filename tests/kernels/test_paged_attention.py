@@ -1,0 +1,150 @@
+"""Paged attention kernels (interpret mode) against the gather-then-attend references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import PagedKVCache, quantize
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+D = 32
+
+
+class Pool:
+    """A pool with shuffled, non-contiguous block tables; unowned blocks (and table padding) are
+    poisoned with NaN so any read of a block a sequence does not own shows up in its output."""
+
+    def __init__(self, lens, bs, kh, dtype, seed=0, extra_blocks=5):
+        rng = np.random.default_rng(seed)
+        pages = [-(-n // bs) for n in lens]
+        nb = sum(pages) + extra_blocks
+        self.mb = max(max(pages), 1) + 1  # one spare column of table padding
+        perm = rng.permutation(nb)
+        poison = perm[-1]
+        bt = np.full((len(lens), self.mb), poison, np.int32)
+        owned = np.zeros(nb, bool)
+        c = 0
+        for i, p in enumerate(pages):
+            bt[i, :p] = perm[c:c + p]
+            owned[perm[c:c + p]] = True
+            c += p
+        self.block_tables = jnp.asarray(bt)
+        k = rng.standard_normal((nb, bs, kh, D)).astype(np.float32)
+        v = rng.standard_normal((nb, bs, kh, D)).astype(np.float32)
+        self.kv_lens = jnp.asarray(lens, jnp.int32)
+        if dtype == "int8":
+            (kq, ks), (vq, vs) = (quantize(jnp.asarray(x).reshape(-1, kh, D)) for x in (k, v))
+            shape = (nb, bs, kh)
+            self.clean = dict(k_pool=kq.reshape(k.shape), v_pool=vq.reshape(v.shape),
+                              k_scales=ks.reshape(shape), v_scales=vs.reshape(shape))
+            bad = ~owned[:, None, None]
+            self.poisoned = dict(self.clean, k_scales=jnp.where(bad, jnp.nan, self.clean["k_scales"]),
+                                 v_scales=jnp.where(bad, jnp.nan, self.clean["v_scales"]))
+        else:
+            dt = jnp.dtype(dtype)
+            self.clean = dict(k_pool=jnp.asarray(k, dt), v_pool=jnp.asarray(v, dt))
+            bad = ~owned[:, None, None, None]
+            self.poisoned = dict(k_pool=jnp.where(bad, jnp.nan, k).astype(dt), v_pool=jnp.where(bad, jnp.nan, v).astype(dt))
+
+
+def _tol(dtype):
+    return 2e-2 if dtype == "bfloat16" else 1e-5
+
+
+def _qdtype(dtype):
+    return jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+
+
+@pytest.mark.parametrize("bs,h,kh,dtype,splits", [
+    (8, 2, 2, "float32", None),   # GQA 1
+    (16, 8, 2, "bfloat16", 3),    # GQA 4, split-K
+    (64, 8, 1, "float32", 2),     # GQA 8, big blocks
+    (16, 8, 2, "int8", None),     # int8 KV
+])
+def test_decode_matches_reference(bs, h, kh, dtype, splits):
+    lens = [1, 7, 33, 100, 0]  # partial last blocks; the 0 is a padding sequence
+    pool = Pool(lens, bs, kh, dtype)
+    q = jax.random.normal(jax.random.key(1), (len(lens), h, D), _qdtype(dtype))
+    kwargs = {k: v for k, v in pool.poisoned.items()}
+    ours = paged_attention(q, block_tables=pool.block_tables, context_lens=pool.kv_lens, num_splits=splits, **kwargs)
+    ref = paged_attention_reference(q, block_tables=pool.block_tables, context_lens=pool.kv_lens, **pool.clean)
+    assert not np.isnan(np.asarray(ours, np.float32)).any()
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
+    assert float(jnp.abs(ours[-1]).max()) == 0.0
+
+
+@pytest.mark.parametrize("bs,h,kh,dtype,window", [
+    (8, 4, 4, "float32", None),
+    (16, 8, 2, "bfloat16", None),
+    (16, 8, 1, "int8", None),
+    (8, 8, 2, "float32", 11),
+])
+def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window):
+    q_lens = [1, 9, 1, 30, 0]           # decodes, a whole prefill, a prefill chunk, a padding sequence
+    kv_lens = [13, 9, 70, 45, 0]
+    pool = Pool(kv_lens, bs, kh, dtype, seed=2)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    n = sum(q_lens) + 7                 # padding tokens at the end
+    q = jax.random.normal(jax.random.key(3), (n, h, D), _qdtype(dtype))
+    args = (pool.block_tables, cu, pool.kv_lens)
+    ours = ragged_paged_attention(q, pool.poisoned["k_pool"], pool.poisoned["v_pool"], *args, block_q=8,
+                                  num_splits=2, sliding_window=window,
+                                  **{k: v for k, v in pool.poisoned.items() if "scales" in k})
+    ref = ragged_paged_attention_reference(q, pool.clean["k_pool"], pool.clean["v_pool"], *args,
+                                           sliding_window=window,
+                                           **{k: v for k, v in pool.clean.items() if "scales" in k})
+    assert not np.isnan(np.asarray(ours, np.float32)).any()
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
+    assert float(jnp.abs(ours[sum(q_lens):]).max()) == 0.0
+
+
+def test_padding_does_not_change_real_outputs():
+    pool = Pool([20, 5, 0, 0], 8, 2, "float32", seed=4)
+    q = jax.random.normal(jax.random.key(5), (12, 4, D))
+    bt, kv = pool.block_tables, pool.kv_lens
+    fn = lambda q, cu, bt, kv: ragged_paged_attention(q, pool.clean["k_pool"], pool.clean["v_pool"], bt, cu, kv,
+                                                      block_q=4)
+    padded = fn(q, jnp.asarray([0, 6, 8, 8, 8]), bt, kv)
+    alone = fn(q[:8], jnp.asarray([0, 6, 8]), bt[:2], kv[:2])
+    np.testing.assert_array_equal(np.asarray(padded[:8]), np.asarray(alone))
+
+
+def test_reused_block_never_leaks_old_contents():
+    """Sequence A fills a block, is freed; B reuses it for fewer tokens: B sees only its own."""
+    bs, kh, h = 8, 2, 4
+    cache = PagedKVCache.zeros(4, bs, kh, D, jnp.float32)
+    rng = np.random.default_rng(6)
+    ka, va = (jnp.asarray(rng.standard_normal((bs, kh, D)) * 5, jnp.float32) for _ in range(2))
+    cache = cache.write(ka, va, jnp.arange(2 * bs, 3 * bs))          # A owns block 2, full
+    kb, vb = (jnp.asarray(rng.standard_normal((3, kh, D)), jnp.float32) for _ in range(2))
+    cache = cache.write(kb, vb, jnp.arange(2 * bs, 2 * bs + 3))      # B reuses block 2 for 3 tokens
+    q = jax.random.normal(jax.random.key(7), (3, h, D))
+    bt, cu, kv = jnp.asarray([[2]]), jnp.asarray([0, 3]), jnp.asarray([3])
+    got = ragged_paged_attention(q, cache.k, cache.v, bt, cu, kv, block_q=4)
+    fresh = PagedKVCache.zeros(1, bs, kh, D, jnp.float32).write(kb, vb, jnp.arange(3))
+    want = ragged_paged_attention_reference(q, fresh.k, fresh.v, jnp.asarray([[0]]), cu, kv)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_cache_write_drops_padding_and_donates():
+    cache = PagedKVCache.zeros(3, 4, 2, D, jnp.float32)
+    new = jnp.ones((3, 2, D))
+    write = jax.jit(lambda c, k, s: c.write(k, k * 2, s), donate_argnums=0)
+    old_k = cache.k
+    out = write(cache, new, jnp.asarray([5, -1, 0]))
+    assert old_k.is_deleted()  # the pool was donated, not copied
+    k = np.asarray(out.k).reshape(12, 2, D)
+    assert (k[5] == 1).all() and (k[0] == 1).all() and k.sum() == 2 * 2 * D
+    assert (np.asarray(out.v).reshape(12, 2, D)[5] == 2).all()
+
+
+def test_int8_cache_write_round_trips():
+    cache = PagedKVCache.zeros(2, 4, 2, D, jnp.int8)
+    x = jax.random.normal(jax.random.key(8), (5, 2, D)) * 3
+    out = cache.write(x, -x, jnp.arange(5))
+    k = (out.k.astype(jnp.float32) * out.k_scale[..., None]).reshape(8, 2, D)[:5]
+    assert out.k.dtype == jnp.int8
+    np.testing.assert_allclose(k, x, atol=float(jnp.abs(x).max()) / 127)

@@ -1,0 +1,62 @@
+"""Offline API mirroring vLLM: LLM(model=..., **engine_args).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from serve.config import EngineArgs
+from serve.engine import LLMEngine
+from serve.outputs import RequestOutput
+from serve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch generation with the continuous-batching engine."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        args = EngineArgs(**({"model": model} if model else {}), **engine_args)
+        self.engine = LLMEngine.from_engine_args(args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (strings or token id lists)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        order = []
+        for prompt, p in zip(prompts, params):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p or SamplingParams())
+            order.append(rid)
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[rid] for rid in order]

@@ -1,0 +1,96 @@
+"""Continuous-batching scheduler with chunked prefill and recompute preemption (vLLM V1 style)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from serve.kv_cache import BlockManager
+from serve.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]]  # (sequence, new tokens computed this step)
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Each step spends `max_num_batched_tokens` over at most `max_num_seqs` sequences: running ones
+    first (decodes and unfinished prompt chunks), then waiting prompts. When blocks run out, the
+    newest running sequence is preempted (blocks freed, recomputed later)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = Status.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq, front=True)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                seq.num_computed_tokens = seq.num_cached_tokens = self.bm.allocate_prefix(seq)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget and not self.enable_chunked_prefill:
+                if scheduled:
+                    break
+                raise ValueError(f"prompt of {n} tokens exceeds max_num_batched_tokens "
+                                 f"({self.max_num_batched_tokens}) with chunked prefill off")
+            n = min(n, budget)
+            if not self.bm.allocate_slots(seq, n):
+                self.bm.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)

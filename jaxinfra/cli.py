@@ -29,18 +29,17 @@ def _human(n: float) -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from jaxinfra.generate import GenerationConfig, generate_text
-    from jaxinfra.loading import load_model, load_tokenizer
+    from serve import LLM, SamplingParams
 
-    config = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
-    model = load_model(args.model, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model)
-    prompts = args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype or "auto", max_model_len=args.max_model_len)
     if args.chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    for prompt, text in zip(args.prompt, generate_text(model, tokenizer, prompts, config)):
-        print(f"{prompt}{text}" if not args.chat else text)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outputs):
+        print(out.outputs[0].text if args.chat else f"{prompt}{out.outputs[0].text}")
     return 0
 
 
@@ -89,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_help = f"local Hugging Face directory or preset name (default {DEFAULT_MODEL})"
     dtypes = ("float32", "bfloat16", "float16")
 
-    gen = sub.add_parser("generate", help="generate text with the reference decoder")
+    gen = sub.add_parser("generate", help="generate text with the serving engine")
     gen.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -98,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=dtypes, default=None)
+    gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     gen.set_defaults(func=_cmd_generate)
 

@@ -184,7 +184,8 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 for seq in req.seqs:
                     self.counters.finished[seq.finish_reason] = self.counters.finished.get(seq.finish_reason, 0) + 1
-            outputs.append(self.make_output(req))
+            if req.finished or req.params.output_kind == "cumulative":
+                outputs.append(self.make_output(req))
         return outputs
 
     def _collect_prompt_logprobs(self, seq: Sequence, result: StepResult, start: int, n: int, offset: int) -> None:
@@ -217,10 +218,17 @@ class LLMEngine:
             seq.cumulative_logprob += lp
         self._check_stop(seq, token)
 
+    def _decode(self, seq: Sequence) -> str:
+        """The sequence's text, decoded again only when tokens arrived (and never after a stop string)."""
+        if self.tokenizer is not None and seq.text_tokens != seq.num_output_tokens and seq.stop_reason is None:
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            seq.text_tokens = seq.num_output_tokens
+        return seq.text
+
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+        if p.stop:
+            self._decode(seq)
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
@@ -240,7 +248,7 @@ class LLMEngine:
 
     def make_output(self, req: Request) -> RequestOutput:
         outs = [CompletionOutput(
-            index=s.index, text=s.text, token_ids=list(s.output_ids),
+            index=s.index, text=self._decode(s), token_ids=list(s.output_ids),
             cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
             logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -38,7 +39,8 @@ class LLM:
         order = []
         for prompt, p in zip(prompts, params):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p or SamplingParams())
+            p = dataclasses.replace(p or SamplingParams(), output_kind="final_only")
+            self.engine.add_request(rid, prompt, p)
             order.append(rid)
         return self._run(order, use_tqdm)
 

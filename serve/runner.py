@@ -2,12 +2,14 @@
 
 The step is model forward over the flat ragged batch with paged attention (the KV pools donated and
 updated in place), logits only where a token is sampled, and sampling on device. Shapes are padded
-to a few buckets (tokens, sequences, longest query), so after `warmup()` no new compilation happens.
+to a few buckets (tokens, sequences, block-table width, decode-only or not), so after `warmup()` no
+new compilation happens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -72,6 +74,7 @@ class ModelRunner:
                        for _ in range(cfg.num_layers)]
         self.token_buckets = _buckets(max_num_batched_tokens, min(16, max_num_batched_tokens))
         self.seq_buckets = _buckets(max_num_seqs, min(8, max_num_seqs))
+        self.width_buckets = _buckets(self.max_blocks, min(4, self.max_blocks))  # block-table columns
         self.num_compilations = 0
         self._step = jax.jit(self._step_impl, donate_argnums=(1,),
                              static_argnames=("max_q_len", "num_logprobs", "use_penalties", "prompt_logprobs"))
@@ -99,22 +102,24 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> tuple[dict, SamplingTensors, dict]:
         """Numpy inputs for one step (the host work the overhead benchmark times)."""
         seqs = [s for s, _ in sched.scheduled]
-        counts = np.fromiter((n for _, n in sched.scheduled), np.int32, len(seqs))
-        n_tok, n_seq = int(counts.sum()), len(seqs)
+        n_seq = len(seqs)
+        counts = np.fromiter((n for _, n in sched.scheduled), np.int32, n_seq)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n_seq)
+        n_tok = int(counts.sum())
         tb = _fit(n_tok, self.token_buckets)
         sb = _fit(n_seq, self.seq_buckets)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n_seq)
         cu = np.zeros(sb + 1, np.int32)
         np.cumsum(counts, out=cu[1:n_seq + 1])
         cu[n_seq + 1:] = cu[n_seq]
         seq_of_tok = np.repeat(np.arange(n_seq), counts)
         positions = np.zeros(tb, np.int32)
         positions[:n_tok] = starts[seq_of_tok] + np.arange(n_tok) - cu[seq_of_tok]
-        block_tables = np.zeros((sb, self.max_blocks), np.int32)
+        width = _fit(max(len(s.block_ids) for s in seqs), self.width_buckets)
+        block_tables = np.zeros((sb, width), np.int32)
+        block_tables[:n_seq] = [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
         input_ids = np.zeros(tb, np.int32)
-        for i, (s, n) in enumerate(sched.scheduled):
-            block_tables[i, :len(s.block_ids)] = s.block_ids
-            input_ids[cu[i]:cu[i] + n] = s.tokens[s.num_computed_tokens:s.num_computed_tokens + n]
+        input_ids[:n_tok] = [t for s, n in sched.scheduled
+                             for t in s.tokens[s.num_computed_tokens:s.num_computed_tokens + n]]
         slots = np.full(tb, -1, np.int32)
         p = positions[:n_tok]
         slots[:n_tok] = block_tables[seq_of_tok, p // self.block_size] * self.block_size + p % self.block_size
@@ -139,13 +144,13 @@ class ModelRunner:
 
     def _sampling(self, seqs: list[Sequence], sb: int, use_penalties: bool) -> SamplingTensors:
         n = len(seqs)
-
-        def col(values, dtype, fill=0):
-            out = np.full(sb, fill, dtype)
-            out[:n] = values
-            return out
-
-        ps = [s.params for s in seqs]
+        floats = np.zeros((sb, 6), np.float32)
+        floats[:, 2] = floats[:, 5] = 1.0  # top_p, repetition_penalty defaults for padding rows
+        ints = np.zeros((sb, 4), np.int32)
+        if n:
+            floats[:n] = [(p.temperature, p.min_p, p.top_p, p.presence_penalty, p.frequency_penalty,
+                           p.repetition_penalty) for p in (s.params for s in seqs)]
+            ints[:n] = [(s.params.top_k, s.seed, s.index, s.num_output_tokens) for s in seqs]
         if use_penalties:
             width = _pow2(max(s.num_tokens for s in seqs))
             history = np.full((sb, width), -1, np.int32)
@@ -155,20 +160,16 @@ class ModelRunner:
                 is_out[i, s.prompt_len:s.num_tokens] = 1
         else:
             history, is_out = np.full((sb, 1), -1, np.int32), np.zeros((sb, 1), np.int32)
-        banned_rows = [sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.eos_token_ids)))
-                       if s.num_output_tokens < s.params.min_tokens else [] for s in seqs]
-        banned = np.full((sb, _pow2(max((len(b) for b in banned_rows), default=1))), -1, np.int32)
-        for i, b in enumerate(banned_rows):
+        held = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        banned_rows = {i: sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.eos_token_ids)))
+                       for i, s in held}
+        banned = np.full((sb, _pow2(max((len(b) for b in banned_rows.values()), default=1))), -1, np.int32)
+        for i, b in banned_rows.items():
             banned[i, :len(b)] = b
         return SamplingTensors(
-            temperature=col([p.temperature for p in ps], np.float32), top_k=col([p.top_k for p in ps], np.int32),
-            top_p=col([p.top_p for p in ps], np.float32, 1.0), min_p=col([p.min_p for p in ps], np.float32),
-            seed=col([s.seed for s in seqs], np.int32), sibling=col([s.index for s in seqs], np.int32),
-            out_pos=col([s.num_output_tokens for s in seqs], np.int32),
-            presence=col([p.presence_penalty for p in ps], np.float32),
-            frequency=col([p.frequency_penalty for p in ps], np.float32),
-            repetition=col([p.repetition_penalty for p in ps], np.float32, 1.0),
-            history=history, history_is_output=is_out, banned=banned)
+            temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 2], min_p=floats[:, 1], seed=ints[:, 1],
+            sibling=ints[:, 2], out_pos=ints[:, 3], presence=floats[:, 3], frequency=floats[:, 4],
+            repetition=floats[:, 5], history=history, history_is_output=is_out, banned=banned)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         inputs, sampling, static = self.prepare(sched)
@@ -180,15 +181,16 @@ class ModelRunner:
         return result
 
     def warmup(self) -> None:
-        """Compile every (token bucket, sequence bucket, decode-only or not) shape with default sampling."""
+        """Compile every (tokens, sequences, block-table width, decode-only or not) bucket shape for
+        requests without logprobs or penalties."""
         for tb in self.token_buckets:
-            for sb in self.seq_buckets:
-                if sb > tb:
-                    continue
-                for q in sorted({1, tb}):
+            for j, sb in enumerate(self.seq_buckets):
+                if j and self.seq_buckets[j - 1] >= tb:
+                    continue  # needs more sequences than tokens
+                for q, width in itertools.product((1, tb), self.width_buckets):
                     inputs = dict(input_ids=np.zeros(tb, np.int32), positions=np.zeros(tb, np.int32),
                                   slot_mapping=np.full(tb, -1, np.int32),
-                                  block_tables=np.zeros((sb, self.max_blocks), np.int32),
+                                  block_tables=np.zeros((sb, width), np.int32),
                                   cu_q_lens=np.zeros(sb + 1, np.int32), kv_lens=np.zeros(sb, np.int32),
                                   logits_indices=np.zeros(sb, np.int32))
                     sampling = self._sampling([], sb, False)

@@ -73,7 +73,8 @@ def _row_key(seed: jax.Array, sibling: jax.Array, pos: jax.Array) -> jax.Array:
 
 
 def sample(logits: Float[Array, "S V"], t: SamplingTensors, *, num_logprobs: int, use_penalties: bool) -> SamplerOutput:
-    """Sample one token per row; temperature 0 rows are greedy. Logprobs are of the raw logits."""
+    """Sample one token per row; temperature 0 rows are greedy, and an all-greedy batch skips the
+    random path at run time. Logprobs are of the raw logits."""
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     if use_penalties:
@@ -81,11 +82,15 @@ def sample(logits: Float[Array, "S V"], t: SamplingTensors, *, num_logprobs: int
     s, v = logits.shape
     banned_ids = jnp.where(t.banned < 0, v, t.banned)
     logits = logits.at[jnp.arange(s)[:, None], banned_ids].set(-jnp.inf, mode="drop")
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = _filter(logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None], t)
-    keys = jax.vmap(_row_key)(t.seed, t.sibling, t.out_pos)
-    sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
-    tokens = jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def random_rows() -> jax.Array:
+        scaled = _filter(logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None], t)
+        keys = jax.vmap(_row_key)(t.seed, t.sibling, t.out_pos)
+        sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
+        return jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    tokens = jax.lax.cond(jnp.any(t.temperature > 0), random_rows, lambda: greedy)
     top_lps, top_ids = jax.lax.top_k(raw_logprobs, max(num_logprobs, 1))
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lps)

@@ -27,6 +27,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"  # cumulative: an output every step; final_only: only when finished
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -62,6 +63,8 @@ class SamplingParams:
                 raise bad(field, "must be an int in [0, 20] or None")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an int or None")
+        if self.output_kind not in ("cumulative", "final_only"):
+            raise bad("output_kind", "must be 'cumulative' or 'final_only'")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]

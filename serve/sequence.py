@@ -42,6 +42,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[dict[int, float] | None] = []
         self.text = ""
+        self.text_tokens = 0  # output tokens `text` was decoded from
         self.num_preemptions = 0
 
     @property

@@ -1,4 +1,4 @@
-"""The `jaxinfra` command line: generate, convert, info."""
+"""The `jaxinfra` command line: serve, generate, convert, info."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfra", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `jaxinfra serve --help`)", add_help=False)
     model_help = f"local Hugging Face directory or preset name (default {DEFAULT_MODEL})"
     dtypes = ("float32", "bfloat16", "float16")
 
@@ -116,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from serve.api_server import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

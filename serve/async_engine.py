@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serve.engine import LLMEngine
@@ -18,8 +18,11 @@ class AsyncEngine:
     """Thread-safe front of an LLMEngine. `add_request` returns an async stream of cumulative
     RequestOutputs (the last one has finished=True); `abort` stops a request and frees its blocks."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 on_abort: Callable[[str], None] | None = None) -> None:
         self.engine = engine
+        self.on_step = on_step    # called on the engine thread after every step (metrics)
+        self.on_abort = on_abort
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -79,7 +82,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "abort":
-                self.engine.abort_request(payload)
+                if payload in self.engine.requests:
+                    self.engine.abort_request(payload)
+                    if self.on_abort:
+                        self.on_abort(payload)
                 self._streams.pop(payload, None)
                 continue
             request_id, prompt, params, kwargs, loop, out_queue, done, result = payload
@@ -95,6 +101,8 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._handle_commands()
             if not self.engine.has_unfinished_requests():
+                if self.on_step:
+                    self.on_step(self.engine, [])
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
                 continue
@@ -107,6 +115,8 @@ class AsyncEngine:
                     self.engine.abort_request(request_id)
                 self._streams.clear()
                 continue
+            if self.on_step:
+                self.on_step(self.engine, outputs)
             for out in outputs:
                 target = self._streams.get(out.request_id)
                 if target is None:

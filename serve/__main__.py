@@ -1,0 +1,7 @@
+"""python -m serve: the OpenAI-compatible server."""
+
+import sys
+
+from serve.api_server import main
+
+sys.exit(main())

@@ -161,13 +161,14 @@ def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = loc[0] if loc else None
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message, param = "request body is not valid JSON", None
         elif first.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
-        return _error(OpenAIError(400, f"{message} (field: {param})" if param else message, param=param))
+        where = ".".join(loc)
+        return _error(OpenAIError(400, f"{message} (field: {where})" if param else message, param=param))
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

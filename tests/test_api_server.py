@@ -1,0 +1,170 @@
+"""The HTTP server over real loopback HTTP, driven by the official `openai` client and raw httpx."""
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_helpers import MODEL_NAME, running_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(f"{server[0]}/health").status_code == 200
+
+
+def test_completion_and_streaming_agree(client):
+    kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0)
+    full = client.completions.create(**kwargs)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_chat_and_chat_streaming_agree(client):
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi there"}], max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.role == "assistant"
+    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+              if c.choices]
+    assert "".join(deltas) == full.choices[0].message.content
+    assert full.usage.completion_tokens == 10
+
+
+def test_n_stop_and_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt=[1, 2, 3, 4], max_tokens=8, n=2, temperature=1.0, seed=3,
+                                  logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 16
+    assert all(len(c.logprobs.token_logprobs) == 8 for c in r.choices)
+    free = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=12, temperature=0).choices[0].text
+    stop = next(ch for ch in free[1:] if ch != "\ufffd")
+    cut = client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[:free.index(stop)] and cut.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, temperature=0)
+    assert len(chat.choices[0].logprobs.content) == 3
+
+
+def _post(url, path, body, **kw):
+    return httpx.post(f"{url}{path}", json=body, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL_NAME, "prompt": 3}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL_NAME, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"1": 2.0}}, 400, "logit_bias"),
+    ({"model": MODEL_NAME, "prompt": list(range(200))}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": [1, 999999]}, 400, "prompt"),
+    ({"model": MODEL_NAME}, 400, "prompt"),
+])
+def test_bad_completion_requests(server, body, status, param):
+    r = _post(server[0], "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+
+
+def test_bad_chat_requests_and_malformed_json(server):
+    url = server[0]
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = _post(url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = _post(url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+    r = _post(url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
+                                            "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert httpx.get(f"{url}/health").status_code == 200  # the engine survived all of it
+
+
+def test_metrics_parse_and_add_up(server, client):
+    url = server[0]
+
+    def sample(name, **labels):
+        text = httpx.get(f"{url}/metrics").text
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    before = {k: sample(k) for k in ("jaxinfra:prompt_tokens_total", "jaxinfra:generation_tokens_total",
+                                     "jaxinfra:time_to_first_token_seconds_count")}
+    stops = sample("jaxinfra:request_success_total", finished_reason="length")
+    usage = [client.completions.create(model=MODEL_NAME, prompt=[5] * (3 + i), max_tokens=4 + i, temperature=0).usage
+             for i in range(3)]
+    time.sleep(0.3)
+    assert sample("jaxinfra:prompt_tokens_total") - before["jaxinfra:prompt_tokens_total"] == sum(u.prompt_tokens for u in usage)
+    assert sample("jaxinfra:generation_tokens_total") - before["jaxinfra:generation_tokens_total"] == \
+        sum(u.completion_tokens for u in usage)
+    assert sample("jaxinfra:time_to_first_token_seconds_count") - before["jaxinfra:time_to_first_token_seconds_count"] == 3
+    assert sample("jaxinfra:request_success_total", finished_reason="length") - stops == 3
+    assert sample("jaxinfra:num_requests_running") == 0 and sample("jaxinfra:kv_cache_usage_perc") == 0
+
+
+def test_disconnect_frees_blocks(server):
+    url, app = server
+    eng = app.state.server.engine.engine
+    body = {"model": MODEL_NAME, "prompt": "tell me a long story", "max_tokens": 100, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 4:
+                break
+        assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks
+    deadline = time.time() + 1.0
+    while eng.block_manager.num_free_blocks != eng.block_manager.num_blocks and time.time() < deadline:
+        time.sleep(0.02)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert not eng.has_unfinished_requests()
+
+
+def test_api_key():
+    with running_server(api_key="s3cret", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16) as (url, _):
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+        assert _post(url, "/v1/completions", body).status_code == 401
+        r = _post(url, "/v1/completions", body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").completions.create(**body)
+        assert ok.usage.completion_tokens == 2
+
+
+def test_overload_gets_429():
+    with running_server(max_queue=1, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=16) as (url, _):
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                held = [asyncio.create_task(c.post(f"{url}/v1/completions", json=body)) for _ in range(3)]
+                await asyncio.sleep(0.5)
+                extra = await c.post(f"{url}/v1/completions", json=body)
+                done = await asyncio.gather(*held)
+                return extra, done
+
+        extra, done = asyncio.run(main())
+        assert extra.status_code == 429 and extra.json()["error"]["type"] == "rate_limit_error"
+        assert [r.status_code for r in done] == [200, 200, 200]

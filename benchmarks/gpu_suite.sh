@@ -27,10 +27,14 @@ step kernel_tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/kernels
 # 2. Kernel benchmarks.
 step attention 200 $PY -m benchmarks.attention --out "$OUT"
 step paged_attention 200 $PY -m benchmarks.paged_attention --out "$OUT"
+# 3. End to end: our server on a Llama-3.2-1B-shaped random-weight model, streaming load.
+step serving_online 150 $PY -m benchmarks.serving_online --local llama-3.2-1b --num-requests 256 \
+    --arrival burst --input-len 256 --output-len 128 --max-model-len 2048 --out "$OUT"
 
 echo
 echo "================ summary ================"
 for f in "$OUT"/kernel_tests.log; do tail -n 1 "$f"; done
 sed -n '/measured matmul peak/,$p' "$OUT/attention.log"
 sed -n '/measured copy bandwidth/,$p' "$OUT/paged_attention.log"
+grep -A5 '^\[rate' "$OUT/serving_online.log"
 exit $status

@@ -102,6 +102,7 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # let each pump leave its stream first
         for s in streams:
             await s.aclose()
 

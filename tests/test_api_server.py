@@ -168,3 +168,26 @@ def test_overload_gets_429():
         extra, done = asyncio.run(main())
         assert extra.status_code == 429 and extra.json()["error"]["type"] == "rate_limit_error"
         assert [r.status_code for r in done] == [200, 200, 200]
+
+
+def test_soak_concurrent_streams_with_drops():
+    """A few hundred concurrent streaming requests, some clients dropping mid-stream."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.serving_online import make_prompts, run_load, summarize
+
+    with running_server(max_queue=1000, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=128,
+                        num_gpu_blocks_override=160) as (url, app):
+        prompts = make_prompts(200, "random", 12, seed=1)
+        results, seconds = asyncio.run(run_load(url, MODEL_NAME, prompts, rate=None, arrival="burst",
+                                                concurrency=None, max_tokens=10, drop_fraction=0.15, api_key=None))
+        s = summarize(results, seconds)
+        assert s["server_errors"] == 0 and s["malformed"] == 0 and s["statuses"] == {"200": 200}
+        assert s["completed"] + s["dropped"] == 200 and s["dropped"] > 10
+        eng = app.state.server.engine.engine
+        deadline = time.time() + 5
+        while eng.has_unfinished_requests() and time.time() < deadline:
+            time.sleep(0.05)
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        eng.block_manager.check_invariants([])

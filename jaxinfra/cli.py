@@ -1,4 +1,4 @@
-"""The `jaxinfra` command line: serve, generate, convert, info."""
+"""The `jaxinfra` command line: serve, generate, convert, info, plan-train."""
 
 from __future__ import annotations
 
@@ -82,6 +82,24 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan_train(args: argparse.Namespace) -> int:
+    import jax
+
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    from jaxinfra.loading import load_config
+    from jaxinfra.train.memory import format_report, memory_report
+    from sharding import PRESETS, MeshConfig
+
+    mesh = MeshConfig(*(int(x) for x in args.mesh.split(",")))
+    presets = sorted(PRESETS) if args.presets == "all" else args.presets.split(",")
+    rows = memory_report(load_config(args.model), mesh, presets, args.batch, args.seq_len)
+    print(f"{args.model} on mesh (data, fsdp, tensor) = {mesh.shape(len(jax.devices()))}, "
+          f"batch {args.batch} x {args.seq_len} tokens")
+    print(format_report(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfra", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=dtypes, default=None)
     conv.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
     conv.set_defaults(func=_cmd_convert)
+
+    plan = sub.add_parser("plan-train", help="per-device training memory under each sharding preset")
+    plan.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    plan.add_argument("--mesh", default="-1,1,1", help="data,fsdp,tensor sizes (-1 fills)")
+    plan.add_argument("--presets", default="all", help="comma-separated presets or 'all'")
+    plan.add_argument("--batch", type=int, default=8)
+    plan.add_argument("--seq-len", type=int, default=512)
+    plan.add_argument("--devices", type=int, default=None, help="virtual CPU devices to plan for (CPU only)")
+    plan.set_defaults(func=_cmd_plan_train)
 
     info = sub.add_parser("info", help="parameter count, weight bytes and KV-cache bytes per token")
     info.add_argument("--model", default=DEFAULT_MODEL, help=model_help)

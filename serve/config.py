@@ -45,8 +45,8 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.max_num_seqs must be a positive int, got {self.max_num_seqs!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineArgs.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("EngineArgs.tensor_parallel_size > 1 is not supported yet (single device)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineArgs.tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineArgs":

@@ -19,6 +19,7 @@ from serve.runner import ModelRunner, StepResult, num_blocks_for_memory
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler
 from serve.sequence import Sequence
+from sharding import MeshConfig, make_mesh
 
 DEFAULT_CPU_KV_MEMORY = 256 * 2**20
 
@@ -68,10 +69,16 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_id, *(tokenizer.eos_token_ids if tokenizer else ())]))
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget, args.enable_chunked_prefill)
+        mesh = None
+        if args.tensor_parallel_size > 1:
+            if len(jax.devices()) < args.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size {args.tensor_parallel_size} needs that many devices; "
+                                 f"{len(jax.devices())} available")
+            mesh = make_mesh(MeshConfig(1, 1, args.tensor_parallel_size), jax.devices()[:args.tensor_parallel_size])
         self.runner = ModelRunner(model, block_size=args.block_size, num_blocks=num_blocks,
                                   max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=budget, kv_cache_dtype=args.kv_cache_dtype,
-                                  eos_token_ids=self.eos_token_ids)
+                                  eos_token_ids=self.eos_token_ids, mesh=mesh)
         self.requests: dict[str, Request] = {}
         self.rng = np.random.default_rng(args.seed)
         self.counters = EngineCounters()

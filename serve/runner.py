@@ -18,7 +18,10 @@ import numpy as np
 from flax import nnx
 
 from jaxinfra.models import LlamaModel
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from pallas_kernels import PagedKVCache, PagedMetadata
+from sharding import get_rules, logical_rules, shard_state
 from serve.sampler import SamplerOutput, SamplingTensors, sample
 from serve.scheduler import SchedulerOutput
 from serve.sequence import Sequence
@@ -62,8 +65,9 @@ def num_blocks_for_memory(model: LlamaModel, block_size: int, kv_dtype: str, mem
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, block_size: int, num_blocks: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_cache_dtype: str = "auto",
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), mesh: Mesh | None = None) -> None:
         cfg = model.cfg
+        self.mesh = mesh  # tensor parallelism: weights and KV pools split over the mesh's `tensor` axis
         self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
         self.cfg = cfg
         self.block_size = block_size
@@ -72,6 +76,14 @@ class ModelRunner:
         dtype = jnp.int8 if kv_cache_dtype == "int8" else cfg.dtype
         self.caches = [PagedKVCache.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
                        for _ in range(cfg.num_layers)]
+        self.rules = get_rules("tp")
+        if mesh is not None:
+            if cfg.num_kv_heads % mesh.shape["tensor"]:
+                raise ValueError(f"num_kv_heads ({cfg.num_kv_heads}) must be divisible by tensor_parallel_size "
+                                 f"({mesh.shape['tensor']})")
+            self.state = shard_state(self.state, mesh, self.rules.params)
+            kv = NamedSharding(mesh, PartitionSpec(None, None, "tensor"))
+            self.caches = jax.device_put(self.caches, kv)
         self.token_buckets = _buckets(max_num_batched_tokens, min(16, max_num_batched_tokens))
         self.seq_buckets = _buckets(max_num_seqs, min(8, max_num_seqs))
         self.width_buckets = _buckets(self.max_blocks, min(4, self.max_blocks))  # block-table columns
@@ -83,6 +95,17 @@ class ModelRunner:
     def _step_impl(self, state, caches, inputs, sampling, *, max_q_len, num_logprobs, use_penalties,
                    prompt_logprobs):
         self.num_compilations += 1  # runs only while tracing: counts compilations
+        if self.mesh is not None:
+            with logical_rules(self.mesh, self.rules.activations):
+                return self._forward_and_sample(state, caches, inputs, sampling, max_q_len=max_q_len,
+                                                num_logprobs=num_logprobs, use_penalties=use_penalties,
+                                                prompt_logprobs=prompt_logprobs)
+        return self._forward_and_sample(state, caches, inputs, sampling, max_q_len=max_q_len,
+                                        num_logprobs=num_logprobs, use_penalties=use_penalties,
+                                        prompt_logprobs=prompt_logprobs)
+
+    def _forward_and_sample(self, state, caches, inputs, sampling, *, max_q_len, num_logprobs, use_penalties,
+                            prompt_logprobs):
         model = nnx.merge(self.graphdef, state)
         meta = PagedMetadata(inputs["slot_mapping"], inputs["block_tables"], inputs["cu_q_lens"],
                              inputs["kv_lens"], max_q_len)

@@ -17,16 +17,25 @@ Rules = Mapping[str, MeshAxes]
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("rules", default=None)
 
 
-def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
-    """PartitionSpec for logical `names` under `rules` (unmapped names are replicated)."""
+def logical_to_spec(names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec for logical `names` under `rules` (unmapped names are replicated). Given the
+    array's shape and the mesh, mesh axes that would not divide a dimension are left out."""
     unknown = [n for n in names if n is not None and n not in LOGICAL_AXES]
     if unknown:
         raise ValueError(f"unknown logical axis name(s) {unknown}; known: {LOGICAL_AXES}")
     spec, used = [], set()
-    for name in names:
+    for i, name in enumerate(names):
         axes = rules.get(name) if name is not None else None
         flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
         flat = tuple(a for a in flat if a not in used)  # a mesh axis may shard one dim only
+        if shape is not None and mesh is not None:
+            kept, size = [], 1
+            for a in flat:
+                if shape[i] % (size * mesh.shape[a]) == 0:
+                    kept.append(a)
+                    size *= mesh.shape[a]
+            flat = tuple(kept)
         used.update(flat)
         spec.append(None if not flat else flat[0] if len(flat) == 1 else flat)
     return PartitionSpec(*spec)
@@ -50,7 +59,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, x.shape, mesh)))
+
+
+def named_sharding(names: Sequence[str | None], rules: Rules, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, rules, shape, mesh))
 
 
 def shard_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
@@ -58,6 +71,6 @@ def shard_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
 
     def place(var: nnx.Variable) -> nnx.Variable:
         names = var.get_metadata().get("logical_axes", (None,) * var.ndim)
-        return var.replace(value=jax.device_put(var[...], NamedSharding(mesh, logical_to_spec(names, rules))))
+        return var.replace(value=jax.device_put(var[...], named_sharding(names, rules, var.shape, mesh)))
 
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,195 @@
+"""Sharded training step: fp32 master weights, bf16 (or fp32) compute, AdamW, gradient accumulation,
+remat, and in/out shardings from a named preset of logical-axis rules.
+
+Parameters and optimizer state are plain nested dicts of arrays (the model's nnx.Param tree); the
+model is rebuilt inside the step from the graph definition, so the same Flax module trains and serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, traverse_util
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfra.models import LlamaModel
+from sharding import ShardingRules, logical_rules, named_sharding
+
+Params = dict[str, Any]
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    total_steps: int = 10_000
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    microbatches: int = 1
+    remat: str = "none"
+    compute_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"TrainConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.microbatches < 1:
+            raise ValueError(f"TrainConfig.microbatches must be >= 1, got {self.microbatches}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"TrainConfig.compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warmup + cosine decay and global-norm clipping; no decay on vectors (norms, biases)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
+                                                  max(cfg.total_steps, cfg.warmup_steps + 1))
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array
+    params: Params
+    opt_state: Any
+
+
+class ModelDef:
+    """The model's graph and parameter layout: rebuild a module from a params dict, shard by rules."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.graphdef, state = nnx.split(model, nnx.Param)
+        self.template = nnx.to_flat_state(state)
+        self.axes = {path: var.get_metadata()["logical_axes"] for path, var in self.template}
+
+    def params_of(self, model: LlamaModel) -> Params:
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def build(self, params: Params) -> LlamaModel:
+        flat = traverse_util.flatten_dict(params)
+        state = nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self.template])
+        return nnx.merge(self.graphdef, state)
+
+    def shardings(self, params: Params, mesh: Mesh, rules: dict) -> Params:
+        flat = traverse_util.flatten_dict(params)
+        return traverse_util.unflatten_dict(
+            {p: named_sharding(self.axes[p], rules, x.shape, mesh) for p, x in flat.items()})
+
+
+def _policy(name: str):
+    return {"full": jax.checkpoint_policies.nothing_saveable,
+            "save_dots": jax.checkpoint_policies.checkpoint_dots}.get(name)
+
+
+def lm_loss(model: LlamaModel, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy over unmasked targets, and the number of those targets."""
+    logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+class Trainer:
+    """Owns the shardings and the jitted step for one (model, mesh, preset, config)."""
+
+    def __init__(self, model: LlamaModel, mesh: Mesh, rules: ShardingRules, cfg: TrainConfig) -> None:
+        self.model_def = ModelDef(model)
+        self.mesh, self.rules, self.cfg = mesh, rules, cfg
+        self.optimizer = make_optimizer(cfg)
+        params = jax.tree.map(_to_fp32, self.model_def.params_of(model))
+        self.param_shardings = self.model_def.shardings(params, mesh, rules.params)
+        opt_param_shardings = self.model_def.shardings(params, mesh, rules.optimizer)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        abstract_opt = jax.eval_shape(self.optimizer.init, params)
+        self.opt_shardings = optax.tree_map_params(
+            self.optimizer, lambda _, s: s, abstract_opt, opt_param_shardings,
+            transform_non_params=lambda _: replicated)
+        self.grad_shardings = opt_param_shardings if rules.shard_grads else self.param_shardings
+        self.state_shardings = TrainState(replicated, self.param_shardings, self.opt_shardings)
+        self.batch_sharding = NamedSharding(mesh, PartitionSpec(rules.activations.get("batch")))
+        self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
+        self._params = params  # fp32 master weights (abstract for a model built with nnx.eval_shape)
+        self.step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, self.batch_sharding),
+                            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+
+    def init_state(self) -> TrainState:
+        return self._init(jax.device_put(self._params, self.param_shardings))
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, without allocating it."""
+        shaped = jax.eval_shape(self._init_impl, self._params)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shaped,
+                            self.state_shardings)
+
+    def _init_impl(self, params: Params) -> TrainState:
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
+        return jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, self.batch_sharding)
+
+    def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        compute = jnp.dtype(self.cfg.compute_dtype)
+        model = self.model_def.build(jax.tree.map(lambda p: p.astype(compute), params))
+        policy = _policy(self.cfg.remat)
+        fn: Callable = lm_loss if policy is None else jax.checkpoint(lm_loss, policy=policy)
+        return fn(model, batch)
+
+    def loss_and_grads(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params, jax.Array]:
+        """Mean loss and gradients over the batch, accumulated over `microbatches` (traced in the step)."""
+        micro = self.cfg.microbatches
+        split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def accumulate(carry, mb):
+            grads, loss_sum, count = carry
+            (loss, n), g = grad_fn(params, mb)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), split)
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count
+
+    def _step_impl(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        with logical_rules(self.mesh, self.rules.activations):
+            loss, grads, count = self.loss_and_grads(state.params, batch)  # ZeRO-2/3: grads reduce-scattered
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def gradients(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params]:
+        """Loss and gradients at `state` without updating (for checks)."""
+        def fn(params, batch):
+            with logical_rules(self.mesh, self.rules.activations):
+                loss, grads, _ = self.loss_and_grads(params, batch)
+            return loss, grads
+        return jax.jit(fn)(state.params, batch)
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded arrays (device 0's shards)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def sharded_bytes(tree: Any, shardings: Any) -> int:
+    """Bytes one device would hold of arrays (or shapes) `tree` laid out by `shardings`."""
+    return sum(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))

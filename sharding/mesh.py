@@ -1,0 +1,55 @@
+"""Device meshes with axes (data, fsdp, tensor) from a small config; -1 fills the remaining devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if sizes.count(-1) > 1:
+            raise ValueError(f"MeshConfig: at most one axis may be -1, got {sizes}")
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(f"MeshConfig: axis sizes must be positive or -1, got {sizes}")
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(f"MeshConfig {sizes}: {num_devices} devices are not divisible by {known}")
+            sizes[sizes.index(-1)] = num_devices // known
+        if math.prod(sizes) != num_devices:
+            raise ValueError(f"MeshConfig {sizes} needs {math.prod(sizes)} devices, have {num_devices}")
+        return tuple(sizes)
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: list[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh. Devices are ordered by process, so across hosts the outer data
+    axis spans processes and fsdp/tensor stay inside a host's fast interconnect."""
+    devices = list(devices if devices is not None else jax.devices())
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    shape = config.shape(len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """jax.distributed from flags, else from JAXINFRA_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID."""
+    coordinator = coordinator or os.environ.get("JAXINFRA_COORDINATOR")
+    if coordinator is None:
+        return
+    num_processes = num_processes or int(os.environ["JAXINFRA_NUM_PROCESSES"])
+    process_id = process_id if process_id is not None else int(os.environ["JAXINFRA_PROCESS_ID"])
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)

@@ -115,11 +115,23 @@ class DecoderLayer(nnx.Module):
         return constrain(x, ("batch", "length", "embed")), cache
 
 
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "save_dots": jax.checkpoint_policies.checkpoint_dots}
+
+
+def _layer_call(layer: "DecoderLayer", x: jax.Array, positions: jax.Array, metadata: AttentionMetadata,
+                cache: KVCache | PagedKVCache | None) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
+    return layer(x, positions, metadata, cache)
+
+
 class LlamaModel(nnx.Module):
-    """Decoder-only LM. `model(input_ids)` -> float32 logits; `forward` also threads KV caches."""
+    """Decoder-only LM. `model(input_ids)` -> float32 logits; `forward` also threads KV caches.
+
+    `remat` ("none", "full", "save_dots") recomputes each decoder layer in the backward pass."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
         self.cfg = cfg
+        self.remat = "none"
         std, dt = cfg.initializer_range, cfg.dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), std, dt)
         self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl) for _ in range(cfg.num_layers)])
@@ -135,8 +147,9 @@ class LlamaModel(nnx.Module):
         x = jnp.take(self.embed[...], input_ids, axis=0)
         x = constrain(x, ("batch", "length", "embed"))
         new_caches = [] if caches is not None else None
+        call = _layer_call if self.remat == "none" else nnx.remat(_layer_call, policy=REMAT_POLICIES[self.remat])
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, metadata, None if caches is None else caches[i])
+            x, cache = call(layer, x, positions, metadata, None if caches is None else caches[i])
             if new_caches is not None:
                 new_caches.append(cache)
         return self.norm(x), new_caches

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,10 +18,11 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.models import LlamaModel
+from jaxinfra.models.llama import REMAT_POLICIES as MODEL_REMAT
 from sharding import ShardingRules, logical_rules, named_sharding
 
 Params = dict[str, Any]
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = tuple(MODEL_REMAT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +86,6 @@ class ModelDef:
             {p: named_sharding(self.axes[p], rules, x.shape, mesh) for p, x in flat.items()})
 
 
-def _policy(name: str):
-    return {"full": jax.checkpoint_policies.nothing_saveable,
-            "save_dots": jax.checkpoint_policies.checkpoint_dots}.get(name)
-
-
 def lm_loss(model: LlamaModel, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over unmasked targets, and the number of those targets."""
     logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
@@ -140,9 +135,8 @@ class Trainer:
     def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         compute = jnp.dtype(self.cfg.compute_dtype)
         model = self.model_def.build(jax.tree.map(lambda p: p.astype(compute), params))
-        policy = _policy(self.cfg.remat)
-        fn: Callable = lm_loss if policy is None else jax.checkpoint(lm_loss, policy=policy)
-        return fn(model, batch)
+        model.remat = self.cfg.remat  # per decoder layer
+        return lm_loss(model, batch)
 
     def loss_and_grads(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params, jax.Array]:
         """Mean loss and gradients over the batch, accumulated over `microbatches` (traced in the step)."""

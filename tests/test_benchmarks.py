@@ -27,3 +27,11 @@ def test_paged_attention_benchmark_quick(tmp_path):
     ours = [row for row in result["decode"] if row["impl"] == "ours"]
     assert {row["kv"] for row in ours} == {"bf16", "int8"} and all(row["max_err"] < 2e-2 for row in ours)
     assert result["prefill"][0]["max_err"] < 2e-2 and (tmp_path / "paged_attention.png").is_file()
+
+
+def test_train_throughput_quick(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "benchmarks.train_throughput", "--quick", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "train_throughput.json").read_text())
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"] and "MFU" in r.stdout

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -130,7 +131,12 @@ class Trainer:
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        return jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, self.batch_sharding)
+        """Global batch (the same numpy arrays on every process) -> arrays sharded over the mesh; each
+        process only places the rows its own devices hold, so this works across hosts too."""
+        def place(x: Any) -> jax.Array:
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, self.batch_sharding, lambda idx: x[idx])
+        return {k: place(v) for k, v in batch.items()}
 
     def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         compute = jnp.dtype(self.cfg.compute_dtype)

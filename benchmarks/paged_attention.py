@@ -16,7 +16,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.common import copy_bandwidth_gbs, time_fn

@@ -157,32 +157,14 @@ def print_summary(s: dict, label: str = "") -> None:
 
 @contextlib.contextmanager
 def local_server(model: str, **engine_kwargs):
-    """Our server on a free loopback port, in this process."""
-    import socket
-    import threading
-
-    import uvicorn
-
+    """Our server on a free loopback port, in this process; yields (url, engine)."""
     from serve import EngineArgs, LLMEngine
-    from serve.api_server import build_app
+    from serve.api_server import build_app, serve_in_thread
 
     eng = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs))
     eng.runner.warmup()
-    app = build_app(eng, model_name=model, max_queue=4096)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", eng
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        app.state.server.engine.shutdown()
+    with serve_in_thread(build_app(eng, model_name=model, max_queue=4096)) as url:
+        yield url, eng
 
 
 def main() -> None:

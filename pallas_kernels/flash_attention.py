@@ -19,6 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.tile_ops import dot, online_softmax_step
+
 LOG2E = math.log2(math.e)
 
 
@@ -80,13 +82,6 @@ class _Static:
         return self.tokens * self.group
 
 
-def _dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
-    """2-D matmul with float32 accumulation (full precision for float32 inputs)."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
 def _row_tokens(tok0: jax.Array, st: _Static) -> jax.Array:
     return tok0 + lax.broadcasted_iota(jnp.int32, (st.rows,), 0) // st.group
 
@@ -103,7 +98,7 @@ def _row_segments(seg: jax.Array, st: _Static) -> jax.Array:
 def _scores(q: jax.Array, k: jax.Array, q_tok: jax.Array, kv0: jax.Array, q_seg: jax.Array | None,
             kv_seg: jax.Array | None, st: _Static) -> tuple[jax.Array, jax.Array]:
     """Masked base-2 logits [rows, block_k] and the capped natural logits (for the softcap grad)."""
-    s = _dot(q, k, trans_b=True) * st.scale
+    s = dot(q, k, trans_b=True) * st.scale
     if st.softcap is not None:
         s = st.softcap * jnp.tanh(s / st.softcap)
     kv_idx = kv0 + lax.broadcasted_iota(jnp.int32, (st.block_k,), 0)
@@ -156,13 +151,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *,
         v = v_ref[pl.ds(kv0, st.block_k), :]
         kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments else None
         s, _ = _scores(q, k, q_tok, kv0, q_seg, kv_seg, st)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_safe[:, None])
-        corr = jnp.exp2(m - m_safe)
-        l = corr * l + jnp.sum(p, axis=-1)
-        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v)
-        return acc, m_new, l
+        return online_softmax_step(acc, m, l, s, v)
 
     lo, hi = _kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, st)
     init = (jnp.zeros((st.rows, d), jnp.float32), jnp.full((st.rows,), -jnp.inf, jnp.float32),
@@ -179,7 +168,7 @@ def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, st: _Static):
     """Probabilities and the gradient of the natural (pre-scale) logits for one tile pair."""
     s, capped = _scores(q, k, q_tok, kv0, q_seg, kv_seg, st)
     p = jnp.exp2(s - lse[:, None])
-    dp = _dot(do, v, trans_b=True)
+    dp = dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
     if st.softcap is not None:
         ds = ds * (1.0 - (capped / st.softcap) ** 2)
@@ -202,8 +191,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
         lse, delta = _rows(lse_ref[sl, :], st), _rows(delta_ref[sl, :], st)
         q_seg = _row_segments(qseg_ref[sl], st) if st.has_segments else None
         p, ds = _ds(q, k, v, do, lse, delta, _row_tokens(tok0, st), kv0, q_seg, kv_seg, st)
-        dv += _dot(p.astype(do.dtype), do, trans_a=True)
-        dk += _dot(ds.astype(q.dtype), q, trans_a=True)
+        dv += dot(p.astype(do.dtype), do, trans_a=True)
+        dk += dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     lo, hi = _q_range(kv0, st.block_k, q_ref.shape[0] // st.tokens, st)
@@ -226,7 +215,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
         v = v_ref[pl.ds(kv0, st.block_k), :]
         kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments else None
         _, ds = _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, st)
-        return dq + _dot(ds.astype(k.dtype), k)
+        return dq + dot(ds.astype(k.dtype), k)
 
     lo, hi = _kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, st)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((st.rows, q.shape[-1]), jnp.float32))

@@ -20,6 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.tile_ops import dot, online_softmax_step
+
 LOG2E = math.log2(math.e)
 
 
@@ -42,12 +44,6 @@ class _Static:
     @property
     def block_k(self) -> int:
         return self.pages_per_tile * self.page_size
-
-
-def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _load_pages(pool_ref, scale_ref, ids: jax.Array, st: _Static, dtype: jnp.dtype) -> jax.Array:
@@ -81,7 +77,7 @@ def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_re
         ids = jnp.where(page_idx < num_pages, ids, last_owned)  # never touch pages past the sequence
         k = _load_pages(k_ref, ks_ref, ids, st, q.dtype)
         v = _load_pages(v_ref, vs_ref, ids, st, q.dtype)
-        s = _dot(q, k, trans_b=True) * st.scale
+        s = dot(q, k, trans_b=True) * st.scale
         if st.softcap is not None:
             s = st.softcap * jnp.tanh(s / st.softcap)
         kv_pos = j * st.block_k + lax.broadcasted_iota(jnp.int32, (st.block_k,), 0)
@@ -89,14 +85,7 @@ def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_re
         mask = row_valid[:, None] & in_split[None, :] & (kv_pos[None, :] <= pos[:, None])
         if st.window is not None:
             mask &= pos[:, None] - kv_pos[None, :] < st.window
-        s = jnp.where(mask, s * LOG2E, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_safe[:, None])
-        corr = jnp.exp2(m - m_safe)
-        l = corr * l + jnp.sum(p, axis=-1)
-        acc = corr[:, None] * acc + _dot(p.astype(v.dtype), v)
-        return acc, m_new, l
+        return online_softmax_step(acc, m, l, jnp.where(mask, s * LOG2E, -jnp.inf), v)
 
     d = q.shape[-1]
     init = (jnp.zeros((st.rows, d), jnp.float32), jnp.full((st.rows,), -jnp.inf, jnp.float32),

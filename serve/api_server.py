@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import socket
 import sys
+import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -366,6 +368,31 @@ def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
         state.engine.shutdown()
 
     return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+    """Run `app` with uvicorn on a background thread (tests, benchmarks, notebooks); yields its URL."""
+    import uvicorn
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        app.state.server.engine.shutdown()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import transformers
 
 from serve import SamplingParams
 from serve_helpers import GREEDY, engine, prompts, reference, run

@@ -1,0 +1,25 @@
+"""Pieces shared by the tiled kernels: float32-accumulating matmul and the online-softmax step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+    """2-D matmul with float32 accumulation (full precision for float32 inputs)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, s: jax.Array, v: jax.Array
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fold one tile of base-2 logits `s` [rows, keys] (-inf where masked) and values `v` into the
+    running (unnormalised output, row max, row sum). Rows that have seen no key keep m = -inf."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - m_safe[:, None])
+    corr = jnp.exp2(m - m_safe)
+    return corr[:, None] * acc + dot(p.astype(v.dtype), v), m_new, corr * l + jnp.sum(p, axis=-1)

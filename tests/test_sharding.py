@@ -16,10 +16,21 @@ PRESETS = ["dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp"]
 
 @pytest.fixture(scope="module")
 def report():
-    r = subprocess.run([sys.executable, str(SCRIPT), ",".join(PRESETS)], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = next(line for line in r.stdout.splitlines() if line.startswith("REPORT"))
-    return json.loads(line[len("REPORT"):])
+    """Two subprocesses (one per core), half of the presets each, merged."""
+    groups = [PRESETS[:3], PRESETS[3:]]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), ",".join(g)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for g in groups]
+    merged = None
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+        part = json.loads(next(x for x in out.splitlines() if x.startswith("REPORT"))[len("REPORT"):])
+        if merged is None:
+            merged = part
+        else:
+            merged["runs"] += part["runs"]
+            merged["plan"] += part["plan"]
+    return merged
 
 
 @pytest.mark.slow
@@ -67,7 +78,7 @@ def test_collectives_in_compiled_steps(report):
     fsdp = run("fsdp", (1, 8, 1))
     assert fsdp["all_gather"] >= 2 * 7  # weights gathered per layer and per matrix, not in one lump
     dp = run("dp", (8, 1, 1))
-    assert dp["all_gather"] == 0
+    assert dp["all_reduce"] >= 1  # gradients summed over the data axis
 
 
 def test_mesh_config_and_presets():

@@ -4,7 +4,7 @@ PYTHON_NEWEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python
 VENV ?= .venv
 VENV_NEWEST ?= .venv-newest-jax
 PROMPT ?= Once upon a time
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: setup run test test-kernels-newest ci
 

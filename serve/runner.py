@@ -9,7 +9,6 @@ new compilation happens.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import jax
@@ -129,8 +128,9 @@ class ModelRunner:
         counts = np.fromiter((n for _, n in sched.scheduled), np.int32, n_seq)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n_seq)
         n_tok = int(counts.sum())
-        tb = _fit(n_tok, self.token_buckets)
+        decode_only = int(counts.max(initial=0)) <= 1
         sb = _fit(n_seq, self.seq_buckets)
+        tb = sb if decode_only else _fit(n_tok, self.token_buckets)  # decodes: one token per sequence slot
         cu = np.zeros(sb + 1, np.int32)
         np.cumsum(counts, out=cu[1:n_seq + 1])
         cu[n_seq + 1:] = cu[n_seq]
@@ -153,7 +153,7 @@ class ModelRunner:
         inputs = dict(input_ids=input_ids, positions=positions, slot_mapping=slots, block_tables=block_tables,
                       cu_q_lens=cu, kv_lens=kv_lens, logits_indices=logits_indices)
         want_prompt = [s for s in seqs if s.wants_prompt_logprobs and s.num_computed_tokens < s.prompt_len]
-        static = dict(max_q_len=1 if counts.max(initial=0) <= 1 else tb,
+        static = dict(max_q_len=1 if decode_only else tb,
                       num_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
                       use_penalties=any(s.params.uses_penalties for s in seqs),
                       prompt_logprobs=max((s.params.prompt_logprobs for s in want_prompt), default=None))
@@ -203,19 +203,23 @@ class ModelRunner:
             result.prompt_logprob, result.prompt_top_ids, result.prompt_top_logprobs = jax.device_get(extra)
         return result
 
-    def warmup(self) -> None:
-        """Compile every (tokens, sequences, block-table width, decode-only or not) bucket shape for
-        requests without logprobs or penalties."""
+    def shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (tokens, sequences, block-table width, max_q_len) a step can have: decode-only
+        batches (one token per sequence bucket slot) and batches with a prompt chunk."""
+        out = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
         for tb in self.token_buckets:
             for j, sb in enumerate(self.seq_buckets):
                 if j and self.seq_buckets[j - 1] >= tb:
                     continue  # needs more sequences than tokens
-                for q, width in itertools.product((1, tb), self.width_buckets):
-                    inputs = dict(input_ids=np.zeros(tb, np.int32), positions=np.zeros(tb, np.int32),
-                                  slot_mapping=np.full(tb, -1, np.int32),
-                                  block_tables=np.zeros((sb, width), np.int32),
-                                  cu_q_lens=np.zeros(sb + 1, np.int32), kv_lens=np.zeros(sb, np.int32),
-                                  logits_indices=np.zeros(sb, np.int32))
-                    sampling = self._sampling([], sb, False)
-                    _, _, self.caches = self._step(self.state, self.caches, inputs, sampling, max_q_len=q,
-                                                   num_logprobs=0, use_penalties=False, prompt_logprobs=None)
+                out += [(tb, sb, w, tb) for w in self.width_buckets]
+        return out
+
+    def warmup(self) -> None:
+        """Compile every step shape (`shapes()`) for requests without logprobs or penalties."""
+        for tb, sb, width, q in self.shapes():
+            inputs = dict(input_ids=np.zeros(tb, np.int32), positions=np.zeros(tb, np.int32),
+                          slot_mapping=np.full(tb, -1, np.int32), block_tables=np.zeros((sb, width), np.int32),
+                          cu_q_lens=np.zeros(sb + 1, np.int32), kv_lens=np.zeros(sb, np.int32),
+                          logits_indices=np.zeros(sb, np.int32))
+            _, _, self.caches = self._step(self.state, self.caches, inputs, self._sampling([], sb, False),
+                                           max_q_len=q, num_logprobs=0, use_penalties=False, prompt_logprobs=None)

@@ -48,8 +48,6 @@ class KVCache:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedMetadata:

@@ -16,6 +16,14 @@ def gather_kv(pool: Float[Array, "NB BS KH D"], block_tables: Int[Array, "S MB"]
     return blocks.reshape(s, mb * pool.shape[1], *pool.shape[2:])
 
 
+def token_sequences(cu_q_lens: Int[Array, "S1"], n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each of the n flat tokens: its sequence, its index among that sequence's new tokens, and
+    whether it is a real token (not padding past cu_q_lens[-1])."""
+    tok = jnp.arange(n)
+    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), cu_q_lens.shape[0] - 2)
+    return seq, tok - cu_q_lens[seq], tok < cu_q_lens[-1]
+
+
 def ragged_paged_attention_reference(
     q: Float[Array, "N H D"],
     k_pool: Float[Array, "NB BS KH D"],
@@ -52,10 +60,8 @@ def ragged_paged_attention_reference(
         q_segment_ids=q_valid.astype(jnp.int32),
         kv_segment_ids=jnp.where(kv_pos < kv_lens[:, None], 1, -1),
         sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
-    tok = jnp.arange(n)
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), s - 1)
-    local = tok - cu_q_lens[seq]
-    valid = (tok < cu_q_lens[-1]) & (local < width)
+    seq, local, real = token_sequences(cu_q_lens, n)
+    valid = real & (local < width)
     return jnp.where(valid[:, None, None], out[seq, jnp.clip(local, 0, width - 1)], 0).astype(q.dtype)
 
 

@@ -148,3 +148,19 @@ def test_int8_cache_write_round_trips():
     k = (out.k.astype(jnp.float32) * out.k_scale[..., None]).reshape(8, 2, D)[:5]
     assert out.k.dtype == jnp.int8
     np.testing.assert_allclose(k, x, atol=float(jnp.abs(x).max()) / 127)
+
+
+def test_dispatcher_decode_and_ragged_entries():
+    from pallas_kernels import PagedMetadata
+    from pallas_kernels import paged_attention as dispatch_decode
+    from pallas_kernels import ragged_paged_attention as dispatch_ragged
+
+    pool = Pool([9, 30], 8, 2, "float32", seed=8)
+    cache = PagedKVCache(pool.clean["k_pool"], pool.clean["v_pool"])
+    q = jax.random.normal(jax.random.key(9), (2, 4, D))
+    got = {impl: dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl=impl) for impl in ("pallas", "reference")}
+    np.testing.assert_allclose(got["pallas"], got["reference"], atol=1e-5)
+    meta = PagedMetadata(jnp.full((2,), -1), pool.block_tables, jnp.asarray([0, 1, 2]), pool.kv_lens, max_q_len=1)
+    np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), got["reference"], atol=1e-5)
+    with pytest.raises(ValueError, match="paged attention impl"):
+        dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl="xla")

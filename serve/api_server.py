@@ -112,13 +112,12 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 class _Generation:
     """One API call: its engine requests, how they map to choices, and the text already streamed."""
 
-    def __init__(self, state: ServerState, req: _Common, prompts: list[list[int]], texts: list[str | None],
-                 logprobs: int | None, requested_max: int | None) -> None:
+    def __init__(self, state: ServerState, req: _Common, prompts: list[list[int]], logprobs: int | None,
+                 requested_max: int | None) -> None:
         self.state, self.req = state, req
         self.prompts = prompts
         self.ids = [state.engine.new_request_id("cmpl") for _ in prompts]
         self.params = [req.sampling_params(_max_tokens(state, req, requested_max, len(p)), logprobs) for p in prompts]
-        self.texts = texts
         self.sent: dict[int, int] = {}
         self.final: dict[int, RequestOutput] = {}
 
@@ -299,10 +298,8 @@ def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         _check_model(req)
-        prompts = req.prompts()
-        ids = [_encode(state, p) for p in prompts]
-        gen = _Generation(state, req, ids, [p if isinstance(p, str) else None for p in prompts], req.logprobs,
-                          req.max_tokens if req.max_tokens is not None else 16)
+        ids = [_encode(state, p) for p in req.prompts()]
+        gen = _Generation(state, req, ids, req.logprobs, req.max_tokens if req.max_tokens is not None else 16)
         return await _run(request, gen, completion_chunks, completion_final)
 
     # --- /v1/chat/completions ------------------------------------------------------------------
@@ -360,7 +357,7 @@ def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
         except Exception as e:  # a template's raise_exception(), or a malformed conversation
             raise OpenAIError(400, f"chat template error: {e}", param="messages") from e
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        gen = _Generation(state, req, [ids], [None], logprobs, req.requested_max_tokens())
+        gen = _Generation(state, req, [ids], logprobs, req.requested_max_tokens())
         return await _run(request, gen, chat_chunks, chat_final)
 
     @app.on_event("shutdown")

@@ -65,10 +65,6 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    def stats(self) -> dict[str, Any]:
-        e = self.engine
-        return {"running": e.num_running, "waiting": e.num_waiting, "kv_usage": e.block_manager.usage}
-
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()

@@ -122,7 +122,7 @@ class LLMEngine:
                              f"({self.max_model_len})")
         seed = params.seed if params.seed is not None else int(self.rng.integers(2**31 - 1))
         now = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [Sequence(request_id, i, ids, params, seed, now, cache_salt) for i in range(params.n)]
+        seqs = [Sequence(request_id, i, ids, params, seed, cache_salt) for i in range(params.n)]
         if seqs[0].wants_prompt_logprobs:
             seqs[0].prompt_logprobs = [None]
         req = Request(request_id, prompt_text, ids, params, seqs, seqs[1:], RequestMetrics(arrival_time=now))

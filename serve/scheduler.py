@@ -52,7 +52,6 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq, front=True)
 

@@ -21,7 +21,7 @@ class Sequence:
     in chunks (prompt) or one per step (decode). A request with n > 1 owns n sequences."""
 
     def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                 seed: int, arrival: float, cache_salt: str | None = None) -> None:
+                 seed: int, cache_salt: str | None = None) -> None:
         self.seq_id = next(_counter)
         self.request_id = request_id
         self.index = index
@@ -29,7 +29,6 @@ class Sequence:
         self.tokens: list[int] = list(prompt_ids)
         self.params = params
         self.seed = seed
-        self.arrival = arrival
         self.cache_salt = cache_salt
         self.status = Status.WAITING
         self.num_computed_tokens = 0
@@ -43,7 +42,6 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] = []
         self.text = ""
         self.text_tokens = 0  # output tokens `text` was decoded from
-        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:

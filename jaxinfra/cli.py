@@ -1,8 +1,9 @@
-"""The `jaxinfra` command line: serve, generate, convert, info, plan-train."""
+"""The `jaxinfra` command line: serve, generate, train, convert, info, plan-train."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -40,6 +41,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for prompt, out in zip(args.prompt, outputs):
         print(out.outputs[0].text if args.chat else f"{prompt}{out.outputs[0].text}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import jax
+
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    from sharding import initialize_distributed
+
+    if args.coordinator or os.environ.get("JAXINFRA_COORDINATOR"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU multi-process collectives
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    from jaxinfra.train.config import load_run_config
+    from jaxinfra.train.loop import train
+
+    cfg = load_run_config(args.config, args.overrides)
+    result = train(cfg, progress=not args.no_progress)
+    if jax.process_index() == 0:
+        loss = "n/a" if result.eval_loss is None else f"{result.eval_loss:.4f}"
+        print(f"trained {result.start_step} -> {result.final_step} steps; eval loss {loss} "
+              f"(unigram entropy {result.unigram_entropy:.4f}); outputs in {result.out_dir}")
     return 0
 
 
@@ -119,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     gen.set_defaults(func=_cmd_generate)
+
+    tr = sub.add_parser("train", help="train or fine-tune (resumes from the latest checkpoint)")
+    tr.add_argument("--config", default=None, help="recipe YAML (configs/train/*.yaml)")
+    tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100 optim.learning_rate=1e-3")
+    tr.add_argument("--devices", type=int, default=None, help="virtual CPU devices (CPU only)")
+    tr.add_argument("--coordinator", default=None, help="host:port of process 0 for multi-process runs")
+    tr.add_argument("--num-processes", type=int, default=None)
+    tr.add_argument("--process-id", type=int, default=None)
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_cmd_train)
 
     conv = sub.add_parser("convert", help="export a model to a Hugging Face directory (safetensors)")
     conv.add_argument("--model", default=DEFAULT_MODEL, help=model_help)

@@ -1,21 +1,28 @@
-"""`load_model` / `load_tokenizer`: a local Hugging Face directory or a preset name from configs/models."""
+"""`load_model` / `load_tokenizer`: a local Hugging Face directory, a `jaxinfra train` run directory
+(params-only restore of its latest checkpoint), or a preset name from configs/models."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfra.checkpoint import load_hf_model
+from jaxinfra.checkpoint import load_hf_model, restore_params
 from jaxinfra.config import ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEFAULT_MODEL = "tiny-llama"
 
 
 def _resolve(path_or_preset: str | Path) -> Path | str:
+    """A directory holding the HF config.json (a run directory resolves to its model/ folder), or a preset."""
     path = Path(path_or_preset)
+    if is_run_dir(path):
+        return path / "model"
     if path.is_dir():
         return path
     if str(path_or_preset) in list_presets():
@@ -28,6 +35,8 @@ def load_model(path_or_preset: str | Path = DEFAULT_MODEL, dtype: str | None = N
                attn_impl: str | None = None, seed: int = 0) -> LlamaModel:
     """Weights from a local HF directory, or random-init (seeded) weights for a preset."""
     where = _resolve(path_or_preset)
+    if is_run_dir(Path(path_or_preset)):
+        return _load_run(Path(path_or_preset), dtype, attn_impl)
     if isinstance(where, Path):
         return load_hf_model(where, dtype=dtype, attn_impl=attn_impl)
     cfg = ModelConfig.from_preset(where)
@@ -48,3 +57,20 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
     """The model config alone (no weights read)."""
     where = _resolve(path_or_preset)
     return ModelConfig.from_hf(where) if isinstance(where, Path) else ModelConfig.from_preset(where)
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "checkpoints").is_dir() and (path / "model" / "config.json").is_file()
+
+
+def _load_run(run_dir: Path, dtype: str | None, attn_impl: str | None) -> LlamaModel:
+    """The latest checkpoint's parameters only (no optimizer state), on the default device."""
+    cfg = ModelConfig.from_hf(run_dir / "model")
+    cfg = cfg.replace(dtype=dtype) if dtype else cfg
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl)))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device),
+                          nnx.to_pure_dict(state))
+    params, _ = restore_params(run_dir / "checkpoints", target)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: x.astype(cfg.dtype), params))
+    return nnx.merge(graphdef, state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
+import tokenizers.trainers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -93,8 +95,24 @@ class Tokenizer:
         alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
         tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(list(BYTE_SPECIALS))
+        return cls._with_chat_specials(tok)
+
+    @classmethod
+    def train_bpe(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
+        """A byte-level BPE tokenizer trained on `texts` (GPT-2 style word splitting), with the same
+        special tokens and chat template as byte_level(); the specials take ids 0-4."""
+        tok = tokenizers.Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        trainer = tokenizers.trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=list(BYTE_SPECIALS), show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        return cls._with_chat_specials(tok)
+
+    @classmethod
+    def _with_chat_specials(cls, tok: tokenizers.Tokenizer) -> "Tokenizer":
+        tok.decoder = decoders.ByteLevel()
         bos = BYTE_SPECIALS[0]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))])

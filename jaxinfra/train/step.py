@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,10 +49,15 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
 
+def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to learning_rate, then cosine decay to 0 at total_steps."""
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
+                                              max(cfg.total_steps, cfg.warmup_steps + 1))
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup + cosine decay and global-norm clipping; no decay on vectors (norms, biases)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
-                                                  max(cfg.total_steps, cfg.warmup_steps + 1))
+    """AdamW with the schedule above and global-norm clipping; no decay on vectors (norms, biases)."""
+    schedule = make_schedule(cfg)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
@@ -117,9 +123,16 @@ class Trainer:
         self._params = params  # fp32 master weights (abstract for a model built with nnx.eval_shape)
         self.step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+        self.eval_step = jax.jit(self._eval_impl, in_shardings=(self.param_shardings, self.batch_sharding),
+                                 out_shardings=(replicated, replicated))
 
-    def init_state(self) -> TrainState:
-        return self._init(jax.device_put(self._params, self.param_shardings))
+    def init_state(self, make_params: Callable[[], Params] | None = None) -> TrainState:
+        """State from the model's weights, or from `make_params()` run under jit straight into the
+        sharded layout (random init of a model too large for one device)."""
+        if make_params is None:
+            return self._init(jax.device_put(self._params, self.param_shardings))
+        init = jax.jit(lambda: jax.tree.map(_to_fp32, make_params()), out_shardings=self.param_shardings)
+        return self._init(init())
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it."""
@@ -137,6 +150,11 @@ class Trainer:
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, self.batch_sharding, lambda idx: x[idx])
         return {k: place(v) for k, v in batch.items()}
+
+    def place_local_batch(self, rows: dict[str, np.ndarray], global_rows: int) -> dict[str, jax.Array]:
+        """This process's rows of a global batch (its devices' rows, in process order) -> global arrays."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (global_rows, *v.shape[1:]))
+                for k, v in rows.items()}
 
     def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         compute = jnp.dtype(self.cfg.compute_dtype)
@@ -168,6 +186,10 @@ class Trainer:
             params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
         return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _eval_impl(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        with logical_rules(self.mesh, self.rules.activations):
+            return self._loss(params, batch)
 
     def gradients(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params]:
         """Loss and gradients at `state` without updating (for checks)."""

@@ -1,0 +1,156 @@
+"""`jaxinfra train`: the training loop — data, sharded steps, evaluation, checkpoints, logs, export.
+
+It resumes from the latest checkpoint in <out_dir>/checkpoints by itself, with the data iterator where
+it stopped, so a killed run continues with the same batches and (on CPU) the same losses bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfra.checkpoint import TrainCheckpointer, export_hf, load_hf_model
+from jaxinfra.config import ModelConfig, list_presets
+from jaxinfra.data import DataLoader, unigram_entropy
+from jaxinfra.data.pipeline import document_tokens, split_corpus
+from jaxinfra.models import LlamaModel
+from jaxinfra.tokenizer import Tokenizer
+from jaxinfra.train.config import RunConfig, dump_run_config
+from jaxinfra.train.logger import MetricsLogger, plot_losses
+from jaxinfra.train.step import Trainer, TrainState, make_schedule, per_device_bytes
+from jaxinfra.train.throughput import device_memory_gib, device_peak_tflops, flops_per_token
+from sharding import get_rules, make_mesh
+
+
+@dataclasses.dataclass
+class TrainResult:
+    out_dir: Path
+    start_step: int                   # 0, or the checkpoint step this run resumed from
+    final_step: int
+    eval_loss: float | None
+    unigram_entropy: float            # nats/token of the training split's token frequencies
+
+
+def model_source(cfg: RunConfig) -> tuple[ModelConfig, Tokenizer, Path | None]:
+    """(model config, tokenizer, HF directory to start from or None for random init)."""
+    path = Path(cfg.model)
+    if path.is_dir():
+        model_cfg, hf_dir = ModelConfig.from_hf(path), path
+    elif path.suffix in (".yaml", ".yml") and path.is_file():
+        model_cfg, hf_dir = ModelConfig.from_yaml(path), None
+    elif cfg.model in list_presets():
+        model_cfg, hf_dir = ModelConfig.from_preset(cfg.model), None
+    else:
+        raise ValueError(f"model {cfg.model!r} is not an HF directory, a model YAML file or a preset {list_presets()}")
+    tok_dir = cfg.tokenizer or (str(hf_dir) if hf_dir else None)
+    tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.byte_level()
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size "
+                         f"{model_cfg.vocab_size}")
+    return model_cfg, tokenizer, hf_dir
+
+
+def _evaluate(trainer: Trainer, params: Any, data: DataLoader, num_batches: int, global_rows: int) -> float:
+    data.restart()
+    loss_sum, count = 0.0, 0.0
+    for _, rows in zip(range(num_batches), data):
+        s, n = trainer.eval_step(params, trainer.place_local_batch(rows, global_rows))
+        loss_sum, count = loss_sum + float(s), count + float(n)
+    if count == 0:
+        raise ValueError("data: the held-out split packs into fewer rows than one global batch")
+    return loss_sum / count
+
+
+def _export(trainer: Trainer, params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out: Path) -> None:
+    host = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() == 0:
+        export_hf(trainer.model_def.build(jax.tree.map(jnp.asarray, host)), out, dtype=model_cfg.dtype)
+        tokenizer.save(out)
+
+
+def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
+    """Run (or resume) the training run described by `cfg`; returns where it ended."""
+    out = Path(cfg.out_dir)
+    chief = jax.process_index() == 0
+    model_cfg, tokenizer, hf_dir = model_source(cfg)
+    mesh = make_mesh(cfg.mesh)
+    seq_len, rows = cfg.data.seq_len, cfg.batch_size
+    corpus = split_corpus(cfg.data)
+    train_data = DataLoader(cfg.data, tokenizer, rows, "train", corpus["train"])
+    valid_data = DataLoader(cfg.data, tokenizer, rows, "valid", corpus["valid"]) if corpus["valid"] else None
+    entropy = unigram_entropy(document_tokens(tokenizer, d)[1:] for d in corpus["train"][:5000])
+
+    abstract = nnx.eval_shape(lambda: LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl))
+    trainer = Trainer(load_hf_model(hf_dir, attn_impl=cfg.attn_impl) if hf_dir else abstract, mesh,
+                      get_rules(cfg.sharding), cfg.optim)
+    checkpoints = TrainCheckpointer(out / "checkpoints", cfg.checkpoint)
+    start = checkpoints.latest_step() or 0
+    if start:
+        target = trainer.abstract_state()
+        params, opt_state = checkpoints.restore(start, target.params, target.opt_state, train_data)
+        step0 = jax.device_put(jnp.asarray(start, jnp.int32), NamedSharding(mesh, PartitionSpec()))
+        state = TrainState(step0, params, opt_state)
+    elif hf_dir:
+        state = trainer.init_state()
+    else:
+        state = trainer.init_state(
+            lambda: nnx.to_pure_dict(nnx.state(LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl), nnx.Param)))
+    if chief:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_run_config(cfg))
+        (out / "model").mkdir(exist_ok=True)
+        (out / "model" / "config.json").write_text(json.dumps(model_cfg.to_hf(), indent=2))
+        tokenizer.save(out / "model")
+
+    logger = MetricsLogger(out, cfg.steps, start, chief, progress)
+    schedule = make_schedule(cfg.optim)
+    flops = flops_per_token(model_cfg, seq_len)
+    peak = cfg.peak_tflops or device_peak_tflops()
+    state_gib = per_device_bytes(state) / 2**30
+    pending: list[dict[str, jax.Array]] = []
+    eval_loss = None
+    tic = time.perf_counter()
+    for step in range(start, cfg.steps):
+        state, metrics = trainer.step(state, trainer.place_local_batch(next(train_data), rows))
+        pending.append(metrics)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            fetched = jax.device_get(pending)
+            seconds = time.perf_counter() - tic
+            tokens = sum(float(m["tokens"]) for m in fetched)
+            record = {"loss": float(np.mean([m["loss"] for m in fetched])),
+                      "grad_norm": float(fetched[-1]["grad_norm"]), "lr": float(schedule(step)),
+                      "tokens_per_s": tokens / seconds, "state_gib": state_gib, **device_memory_gib()}
+            if peak:
+                record["mfu"] = flops * tokens / seconds / (peak * 1e12 * jax.device_count())
+            logger.log(done, "train", record)
+            pending = []
+        logger.advance()
+        if valid_data and (done % cfg.eval_every == 0 or done == cfg.steps):
+            eval_loss = _evaluate(trainer, state.params, valid_data, cfg.eval_batches, rows)
+            logger.log(done, "eval", {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))})
+        if done % cfg.checkpoint.every == 0 or done == cfg.steps:
+            checkpoints.save(done, state.params, state.opt_state, train_data)
+        if done % cfg.log_every == 0:
+            tic = time.perf_counter()
+    checkpoints.wait()
+    checkpoints.close()
+    logger.close()
+    train_data.close()
+    if valid_data:
+        valid_data.close()
+    if cfg.export_hf and start < cfg.steps:
+        _export(trainer, state.params, model_cfg, tokenizer, out / "hf")
+    if chief and (out / "metrics.jsonl").is_file():
+        plot_losses(out / "metrics.jsonl", out / "loss.png", {"unigram entropy": entropy})
+    return TrainResult(out, start, cfg.steps, eval_loss, entropy)

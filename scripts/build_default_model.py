@@ -1,0 +1,51 @@
+"""Rebuild the embedded default model from scratch: corpus -> BPE tokenizer -> `jaxinfra train` ->
+Hugging Face folder in jaxinfra/default_model (with its measured held-out loss in metrics.json).
+
+    python scripts/build_default_model.py [key=value overrides for the recipe]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from fetch_kjv import fetch  # noqa: E402
+
+from jaxinfra.data import split_documents  # noqa: E402
+from jaxinfra.data.sources import load_documents  # noqa: E402
+from jaxinfra.loading import DEFAULT_MODEL_DIR  # noqa: E402
+from jaxinfra.tokenizer import Tokenizer  # noqa: E402
+from jaxinfra.train.config import load_run_config  # noqa: E402
+from jaxinfra.train.loop import train  # noqa: E402
+
+RECIPE = ROOT / "configs" / "train" / "default_model.yaml"
+VOCAB_SIZE = 4096
+
+
+def main(overrides: list[str]) -> None:
+    fetch()
+    cfg = load_run_config(RECIPE, overrides)
+    docs = load_documents(cfg.data.paths)
+    train_docs, _ = split_documents(docs, cfg.data.valid_fraction)  # the tokenizer never sees held-out text
+    Tokenizer.train_bpe(train_docs, VOCAB_SIZE).save(cfg.tokenizer)
+    result = train(cfg)
+    hf = Path(cfg.out_dir) / "hf"
+    if DEFAULT_MODEL_DIR.exists():
+        shutil.rmtree(DEFAULT_MODEL_DIR)
+    shutil.copytree(hf, DEFAULT_MODEL_DIR)
+    metrics = {"steps": result.final_step, "tokens_trained": result.final_step * cfg.batch_size * cfg.data.seq_len,
+               "heldout_loss": result.eval_loss, "heldout_perplexity": math.exp(result.eval_loss),
+               "unigram_entropy": result.unigram_entropy, "unigram_perplexity": math.exp(result.unigram_entropy)}
+    (DEFAULT_MODEL_DIR / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    shutil.copy(Path(cfg.out_dir) / "loss.png", DEFAULT_MODEL_DIR / "loss.png")
+    print(json.dumps(metrics, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

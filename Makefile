@@ -3,10 +3,11 @@ PYTHON ?= python3.11
 PYTHON_NEWEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV ?= .venv
 VENV_NEWEST ?= .venv-newest-jax
-PROMPT ?= Once upon a time
+PROMPT ?= And God said
+PORT ?= 8000
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: setup run test test-kernels-newest ci
+.PHONY: setup run generate test test-kernels-newest ci
 
 setup: $(VENV)/.installed
 
@@ -16,12 +17,16 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
 	touch $@
 
-# The main job on the embedded default model.
+# The main job: the OpenAI-compatible server on the embedded default model (prints how to query it).
 run: setup
-	$(VENV)/bin/jaxinfra generate --prompt "$(PROMPT)" --max-tokens 32
+	$(VENV)/bin/jaxinfra serve --port $(PORT)
 
+generate: setup
+	$(VENV)/bin/jaxinfra generate --prompt "$(PROMPT)" --max-tokens 40
+
+# The test suite and the notebooks (executed top to bottom by nbmake).
 test: setup
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) --nbmake tests notebooks
 
 # Kernel tests (Pallas interpret mode) on Python 3.12 with the newest jax, as on the GPU machine.
 $(VENV_NEWEST)/.installed: pyproject.toml

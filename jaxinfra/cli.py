@@ -116,9 +116,12 @@ def _cmd_plan_train(args: argparse.Namespace) -> int:
 
     mesh = MeshConfig(*(int(x) for x in args.mesh.split(",")))
     presets = sorted(PRESETS) if args.presets == "all" else args.presets.split(",")
-    rows = memory_report(load_config(args.model), mesh, presets, args.batch, args.seq_len)
+    from jaxinfra.train import TrainConfig
+
+    train_cfg = TrainConfig(remat=args.remat, microbatches=args.microbatches)
+    rows = memory_report(load_config(args.model), mesh, presets, args.batch, args.seq_len, train_cfg)
     print(f"{args.model} on mesh (data, fsdp, tensor) = {mesh.shape(len(jax.devices()))}, "
-          f"batch {args.batch} x {args.seq_len} tokens")
+          f"batch {args.batch} x {args.seq_len} tokens, remat {args.remat}, {args.microbatches} microbatch(es)")
     print(format_report(rows))
     return 0
 
@@ -127,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfra", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `jaxinfra serve --help`)", add_help=False)
-    model_help = f"local Hugging Face directory or preset name (default {DEFAULT_MODEL})"
+    model_help = "local Hugging Face directory, training run directory or preset name (default: the embedded model)"
     dtypes = ("float32", "bfloat16", "float16")
 
     gen = sub.add_parser("generate", help="generate text with the serving engine")
@@ -166,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--presets", default="all", help="comma-separated presets or 'all'")
     plan.add_argument("--batch", type=int, default=8)
     plan.add_argument("--seq-len", type=int, default=512)
+    plan.add_argument("--remat", choices=("none", "full", "save_dots"), default="none")
+    plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--devices", type=int, default=None, help="virtual CPU devices to plan for (CPU only)")
     plan.set_defaults(func=_cmd_plan_train)
 

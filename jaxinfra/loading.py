@@ -14,8 +14,10 @@ from jaxinfra.config import ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 
+# A 4.5M-parameter Llama trained by this stack on the King James Bible (scripts/build_default_model.py).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
-DEFAULT_MODEL = "tiny-llama"
+DEFAULT_MODEL = str(DEFAULT_MODEL_DIR)
+DEFAULT_MODEL_NAME = "kjv-small"  # the id `jaxinfra serve` gives it
 
 
 def _resolve(path_or_preset: str | Path) -> Path | str:

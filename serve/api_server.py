@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from serve.async_engine import AsyncEngine
 from serve.config import EngineArgs
 from serve.engine import LLMEngine
@@ -394,7 +395,8 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = No
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxinfra serve", description="OpenAI-compatible server")
-    p.add_argument("--model", default=EngineArgs.model, help="local HF directory or preset name")
+    p.add_argument("--model", default=None,
+                   help="local HF directory, training run directory or preset name (default: the embedded model)")
     p.add_argument("--config", help="engine arguments from a YAML file (configs/serve/*.yaml)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -428,13 +430,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        engine = LLMEngine.from_engine_args(engine_args_from(args))
+        engine_args = engine_args_from(args)
+        engine = LLMEngine.from_engine_args(engine_args)
     except ValueError as e:
         print(f"jaxinfra serve: error: {e}", file=sys.stderr)
         return 2
     if not args.no_warmup:
         engine.runner.warmup()
-    name = args.served_model_name or str(args.model)
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if engine_args.model == DEFAULT_MODEL else engine_args.model)
     app = build_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                     request_timeout=args.request_timeout)
     base = f"http://{args.host}:{args.port}"

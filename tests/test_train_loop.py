@@ -116,6 +116,16 @@ def test_interrupted_save_never_hides_the_last_good_checkpoint(reference_run, tm
     np.testing.assert_array_equal(np.asarray(load_model(run)(ids)), np.asarray(load_model(tmp / "run" / "hf")(ids)))
 
 
+def test_every_recipe_loads():
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).parent.parent / "configs" / "train").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for recipe in recipes:
+        cfg = load_run_config(recipe)
+        assert cfg.optim.total_steps == cfg.steps and cfg.data.paths, recipe
+
+
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="optim.lr"):
         load_run_config(None, ["optim.lr=1"])

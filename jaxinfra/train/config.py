@@ -12,14 +12,13 @@ import yaml
 
 from jaxinfra.checkpoint.manager import CheckpointConfig
 from jaxinfra.data import DataConfig
-from jaxinfra.loading import DEFAULT_MODEL
 from jaxinfra.train.step import TrainConfig
 from sharding import PRESETS, MeshConfig
 
 
 @dataclasses.dataclass
 class RunConfig:
-    model: str = DEFAULT_MODEL        # preset name, model YAML file, or HF directory (continue from its weights)
+    model: str = "tiny-llama"        # preset name, model YAML file, or HF directory (continue from its weights)
     tokenizer: str | None = None      # directory with tokenizer.json; default: the model's
     out_dir: str = "runs/default"     # checkpoints/, metrics.jsonl, tb/, loss.png, hf/
     steps: int = 1000

@@ -66,7 +66,7 @@ def plot_losses(jsonl: str | Path, png: str | Path, reference: dict[str, float] 
             ax.plot(*zip(*points), style, label=f"{split} loss", markersize=3)
     for label, value in (reference or {}).items():
         ax.axhline(value, linestyle="--", color="gray")
-        ax.annotate(f"{label} {value:.2f}", (0, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.text(0.01, value, f" {label} {value:.2f}", transform=ax.get_yaxis_transform(), va="bottom", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.legend()

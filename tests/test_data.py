@@ -88,14 +88,19 @@ def test_packing_never_attends_across_documents_and_masks_padding():
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
     packed = np.asarray(model(jb["input_ids"], segment_ids=jb["segment_ids"], positions=jb["positions"]))
     loss_sum, count = lm_loss(model, jb)
+    # every document alone, right-padded into one batch (causal: the padding after it changes nothing)
+    docs = [(r, np.flatnonzero(batch["segment_ids"][r] == s)) for r in range(2)
+            for s in sorted(set(batch["segment_ids"][r].tolist()) - {0})]
+    alone_ids = np.zeros((len(docs), 64), np.int32)
+    for i, (r, idx) in enumerate(docs):
+        alone_ids[i, :len(idx)] = batch["input_ids"][r, idx]
+    alone = np.asarray(model(jnp.asarray(alone_ids)))
     separate_sum = 0.0
-    for r in range(2):
-        for s in set(batch["segment_ids"][r].tolist()) - {0}:
-            idx = np.flatnonzero(batch["segment_ids"][r] == s)
-            alone = np.asarray(model(jnp.asarray(batch["input_ids"][r, idx][None])))[0]
-            np.testing.assert_allclose(packed[r, idx], alone, atol=1e-5)
-            logp = alone - np.log(np.exp(alone).sum(-1, keepdims=True))
-            separate_sum -= logp[np.arange(len(idx)), batch["targets"][r, idx]].sum()
+    for i, (r, idx) in enumerate(docs):
+        logits = alone[i, :len(idx)]
+        np.testing.assert_allclose(packed[r, idx], logits, atol=1e-5)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        separate_sum -= logp[np.arange(len(idx)), batch["targets"][r, idx]].sum()
     assert float(count) == batch["loss_mask"].sum()
     np.testing.assert_allclose(float(loss_sum), separate_sum, rtol=1e-5)
     # whatever sits in the padding cannot change the loss

@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The main job: the OpenAI-compatible server on the embedded default model (prints how to query it).
 run: setup
-	$(VENV)/bin/jaxinfra serve --port $(PORT)
+	$(VENV)/bin/jaxinfra serve --config configs/serve/cpu.yaml --port $(PORT)
 
 generate: setup
 	$(VENV)/bin/jaxinfra generate --prompt "$(PROMPT)" --max-tokens 40

@@ -1,5 +1,6 @@
 """Rebuild the embedded default model from scratch: corpus -> BPE tokenizer -> `jaxinfra train` ->
 Hugging Face folder in jaxinfra/default_model (with its measured held-out loss in metrics.json).
+It starts from nothing: the recipe's out_dir (runs/default-model) is deleted first.
 
     python scripts/build_default_model.py [key=value overrides for the recipe]
 """
@@ -31,6 +32,9 @@ VOCAB_SIZE = 4096
 def main(overrides: list[str]) -> None:
     fetch()
     cfg = load_run_config(RECIPE, overrides)
+    if Path(cfg.out_dir).exists():  # from scratch: never resume an older build's checkpoints
+        print(f"removing the previous build in {cfg.out_dir}")
+        shutil.rmtree(cfg.out_dir)
     docs = load_documents(cfg.data.paths)
     train_docs, _ = split_documents(docs, cfg.data.valid_fraction)  # the tokenizer never sees held-out text
     Tokenizer.train_bpe(train_docs, VOCAB_SIZE).save(cfg.tokenizer)

@@ -7,6 +7,7 @@ and bible-kjv (the `bible` reader that decompresses it). Output: <out>/kjv.txt, 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import tempfile
@@ -46,7 +47,7 @@ def fetch(out: Path = DEFAULT_OUT) -> Path:
     if len(docs) != 1189:
         raise RuntimeError(f"expected the 1189 chapters of the KJV, parsed {len(docs)}")
     out.mkdir(parents=True, exist_ok=True)
-    tmp_target = target.with_suffix(".tmp")
+    tmp_target = target.with_suffix(f".{os.getpid()}.tmp")  # concurrent fetches (test workers) never mix
     tmp_target.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     tmp_target.rename(target)
     return target

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from jaxinfra.models import LlamaModel
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -216,7 +217,7 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile every step shape (`shapes()`) for requests without logprobs or penalties."""
-        for tb, sb, width, q in self.shapes():
+        for tb, sb, width, q in tqdm(self.shapes(), desc="compiling step shapes", unit="shape", leave=False):
             inputs = dict(input_ids=np.zeros(tb, np.int32), positions=np.zeros(tb, np.int32),
                           slot_mapping=np.full(tb, -1, np.int32), block_tables=np.zeros((sb, width), np.int32),
                           cu_q_lens=np.zeros(sb + 1, np.int32), kv_lens=np.zeros(sb, np.int32),

@@ -17,6 +17,7 @@ import numpy as np
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, load_model, load_tokenizer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+CPU_CONFIG = README.parent / "configs" / "serve" / "cpu.yaml"
 TEXT = "And it came to pass, when the king heard the words of the prophet, that he rent his clothes."
 
 
@@ -65,13 +66,26 @@ def test_readme_samples_are_what_the_model_generates():
         assert out.outputs[0].text.replace("\n", " / ") == shown, prompt
 
 
+def test_serve_model_comes_from_flag_then_yaml_then_default(tmp_path):
+    from serve.api_server import build_parser, engine_args_from
+
+    def model_of(*argv):
+        return engine_args_from(build_parser().parse_args(list(argv))).model
+
+    assert model_of() == model_of("--config", str(CPU_CONFIG)) == DEFAULT_MODEL
+    (tmp_path / "tiny.yaml").write_text(CPU_CONFIG.read_text() + "model: tiny-llama\n")
+    assert model_of("--config", str(tmp_path / "tiny.yaml")) == "tiny-llama"
+    assert model_of("--config", str(tmp_path / "tiny.yaml"), "--model", "tiny-qwen3") == "tiny-qwen3"
+
+
 def test_serve_with_no_model_answers_the_openai_client():
     from openai import OpenAI
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfra", "serve", "--port", str(port), "--no-warmup"],
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfra", "serve", "--config", str(CPU_CONFIG), "--port", str(port),
+                             "--no-warmup"],  # `make run`, without compiling every shape up front
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = iter(proc.stdout.readline, "")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfra.checkpoint import load_hf_model, restore_params
+from jaxinfra.checkpoint.hf import abstract_model
 from jaxinfra.config import ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
@@ -69,7 +70,7 @@ def _load_run(run_dir: Path, dtype: str | None, attn_impl: str | None) -> LlamaM
     """The latest checkpoint's parameters only (no optimizer state), on the default device."""
     cfg = ModelConfig.from_hf(run_dir / "model")
     cfg = cfg.replace(dtype=dtype) if dtype else cfg
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl)))
+    graphdef, state = abstract_model(cfg, attn_impl)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device),
                           nnx.to_pure_dict(state))

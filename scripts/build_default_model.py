@@ -18,8 +18,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from fetch_kjv import fetch  # noqa: E402
 
-from jaxinfra.data import split_documents  # noqa: E402
-from jaxinfra.data.sources import load_documents  # noqa: E402
+from jaxinfra.data import split_corpus  # noqa: E402
 from jaxinfra.loading import DEFAULT_MODEL_DIR  # noqa: E402
 from jaxinfra.tokenizer import Tokenizer  # noqa: E402
 from jaxinfra.train.config import load_run_config  # noqa: E402
@@ -35,8 +34,7 @@ def main(overrides: list[str]) -> None:
     if Path(cfg.out_dir).exists():  # from scratch: never resume an older build's checkpoints
         print(f"removing the previous build in {cfg.out_dir}")
         shutil.rmtree(cfg.out_dir)
-    docs = load_documents(cfg.data.paths)
-    train_docs, _ = split_documents(docs, cfg.data.valid_fraction)  # the tokenizer never sees held-out text
+    train_docs = split_corpus(cfg.data)["train"]  # the tokenizer never sees held-out text
     Tokenizer.train_bpe(train_docs, VOCAB_SIZE).save(cfg.tokenizer)
     result = train(cfg)
     hf = Path(cfg.out_dir) / "hf"

@@ -84,8 +84,8 @@ def test_serve_with_no_model_answers_the_openai_client():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfra", "serve", "--config", str(CPU_CONFIG), "--port", str(port),
-                             "--no-warmup"],  # `make run`, without compiling every shape up front
+    command = ["serve", "--config", str(CPU_CONFIG), "--port", str(port), "--no-warmup"]  # `make run`, no warmup
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfra", *command],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = iter(proc.stdout.readline, "")

@@ -97,6 +97,16 @@ def test_logs_checkpoints_and_exports(reference_run):
     np.testing.assert_array_equal(np.asarray(load_model(out)(ids)), np.asarray(load_model(out / "hf")(ids)))
 
 
+def test_training_continues_from_an_hf_export_or_a_run_directory(reference_run, tmp_path):
+    tmp, cfg, _ = reference_run
+    first_loss = _losses(tmp / "run")[1]
+    for i, model in enumerate((tmp / "run" / "hf", tmp / "run")):
+        result = _run(dict(cfg, model=str(model), out_dir=str(tmp_path / f"ft{i}"), steps=2, export_hf=False))
+        assert result.start_step == 0
+        # the same first batch as the reference run's step 1, on trained rather than random weights
+        assert _losses(tmp_path / f"ft{i}")[1] < first_loss - 1.0
+
+
 def test_interrupted_save_never_hides_the_last_good_checkpoint(reference_run, tmp_path):
     import shutil
 

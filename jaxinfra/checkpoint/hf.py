@@ -111,7 +111,8 @@ class _TensorReader:
         return self.where[name].get_tensor(name)
 
 
-def _abstract_model(cfg: ModelConfig, attn_impl: str | None) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: ModelConfig, attn_impl: str | None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and its state as shapes (nothing allocated), to be filled by a loader."""
     abstract = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl))
     return nnx.split(abstract)
 
@@ -124,7 +125,7 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
     cfg = ModelConfig.from_hf(directory / "config.json")
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    graphdef, state = _abstract_model(cfg, attn_impl)
+    graphdef, state = abstract_model(cfg, attn_impl)
     reader = _TensorReader(directory)
     flat = nnx.to_flat_state(state)
     expected = {tensor_map(path).hf_name for path, _ in flat}

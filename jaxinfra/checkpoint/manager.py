@@ -49,8 +49,7 @@ class TrainCheckpointer:
     """Save/restore (params, opt_state, data iterator) by step under `directory`."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig = CheckpointConfig()) -> None:
-        self.directory, self.cfg = Path(directory), cfg
-        self.manager = _manager(self.directory, cfg)
+        self.manager = _manager(Path(directory), cfg)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

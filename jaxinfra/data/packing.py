@@ -8,9 +8,6 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-PACKED_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
-
-
 def chunk_tokens(ids: Sequence[int], seq_len: int) -> list[dict[str, np.ndarray]]:
     """One document's tokens -> (inputs, targets) pieces of at most `seq_len` predictions each; a long
     document continues in the next piece (its positions restart there, as in truncation-based packers)."""

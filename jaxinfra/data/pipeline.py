@@ -82,14 +82,15 @@ class DataLoader:
     """This process's rows of each global batch, with a checkpointable iterator state.
 
     Train split: shuffled and repeated forever. Valid split: one pass in corpus order (restart()
-    begins it again), so every evaluation sees the same batches."""
+    begins it again), so every evaluation sees the same batches. `docs` is that split of
+    split_corpus(cfg), read once by the caller for both loaders."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, global_batch: int, split: str = "train",
-                 docs: Sequence[str] | None = None) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, global_batch: int, split: str,
+                 docs: Sequence[str]) -> None:
         if split not in ("train", "valid"):
             raise ValueError(f"split must be train or valid, got {split!r}")
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
-        self.docs = list(docs) if docs is not None else split_corpus(cfg)[split]
+        self.docs = list(docs)
         if not self.docs:
             raise ValueError(f"data: the {split} split is empty (set data.valid_paths or data.valid_fraction)")
         procs, pid = jax.process_count(), jax.process_index()

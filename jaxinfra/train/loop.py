@@ -19,10 +19,11 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfra.checkpoint import TrainCheckpointer, export_hf, load_hf_model
-from jaxinfra.config import ModelConfig, list_presets
-from jaxinfra.data import DataLoader, unigram_entropy
-from jaxinfra.data.pipeline import document_tokens, split_corpus
+from jaxinfra.checkpoint import TrainCheckpointer, export_hf
+from jaxinfra.config import ModelConfig
+from jaxinfra.data import DataLoader, split_corpus, unigram_entropy
+from jaxinfra.data.pipeline import document_tokens
+from jaxinfra.loading import load_config, load_model, load_tokenizer
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 from jaxinfra.train.config import RunConfig, dump_run_config
@@ -41,23 +42,22 @@ class TrainResult:
     unigram_entropy: float            # nats/token of the training split's token frequencies
 
 
-def model_source(cfg: RunConfig) -> tuple[ModelConfig, Tokenizer, Path | None]:
-    """(model config, tokenizer, HF directory to start from or None for random init)."""
+def model_source(cfg: RunConfig) -> tuple[ModelConfig, Tokenizer, bool]:
+    """(model config, tokenizer, whether to start from the model's weights rather than random init).
+
+    `model` is a model YAML file (a shape to initialise), or whatever jaxinfra.loading takes: an HF
+    directory or a training run directory (continue from its weights), or a preset (random init)."""
     path = Path(cfg.model)
-    if path.is_dir():
-        model_cfg, hf_dir = ModelConfig.from_hf(path), path
-    elif path.suffix in (".yaml", ".yml") and path.is_file():
-        model_cfg, hf_dir = ModelConfig.from_yaml(path), None
-    elif cfg.model in list_presets():
-        model_cfg, hf_dir = ModelConfig.from_preset(cfg.model), None
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        model_cfg, pretrained = ModelConfig.from_yaml(path), False
+        tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else Tokenizer.byte_level()
     else:
-        raise ValueError(f"model {cfg.model!r} is not an HF directory, a model YAML file or a preset {list_presets()}")
-    tok_dir = cfg.tokenizer or (str(hf_dir) if hf_dir else None)
-    tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.byte_level()
+        model_cfg, pretrained = load_config(cfg.model), path.is_dir()
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size "
                          f"{model_cfg.vocab_size}")
-    return model_cfg, tokenizer, hf_dir
+    return model_cfg, tokenizer, pretrained
 
 
 def _evaluate(trainer: Trainer, params: Any, data: DataLoader, num_batches: int, global_rows: int) -> float:
@@ -82,7 +82,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     """Run (or resume) the training run described by `cfg`; returns where it ended."""
     out = Path(cfg.out_dir)
     chief = jax.process_index() == 0
-    model_cfg, tokenizer, hf_dir = model_source(cfg)
+    model_cfg, tokenizer, pretrained = model_source(cfg)
     mesh = make_mesh(cfg.mesh)
     seq_len, rows = cfg.data.seq_len, cfg.batch_size
     corpus = split_corpus(cfg.data)
@@ -91,7 +91,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     entropy = unigram_entropy(document_tokens(tokenizer, d)[1:] for d in corpus["train"][:5000])
 
     abstract = nnx.eval_shape(lambda: LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl))
-    trainer = Trainer(load_hf_model(hf_dir, attn_impl=cfg.attn_impl) if hf_dir else abstract, mesh,
+    trainer = Trainer(load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract, mesh,
                       get_rules(cfg.sharding), cfg.optim)
     checkpoints = TrainCheckpointer(out / "checkpoints", cfg.checkpoint)
     start = checkpoints.latest_step() or 0
@@ -100,7 +100,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
         params, opt_state = checkpoints.restore(start, target.params, target.opt_state, train_data)
         step0 = jax.device_put(jnp.asarray(start, jnp.int32), NamedSharding(mesh, PartitionSpec()))
         state = TrainState(step0, params, opt_state)
-    elif hf_dir:
+    elif pretrained:
         state = trainer.init_state()
     else:
         state = trainer.init_state(

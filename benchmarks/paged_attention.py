@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from benchmarks.common import copy_bandwidth_gbs, time_fn
-from pallas_kernels import quantize
+from pallas_kernels import kv_bytes_per_element, quantize
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -46,7 +46,7 @@ def _pools(num_seqs: int, context: int, bs: int, d: int, kv: str, seed: int = 0)
 
 
 def _kv_bytes(num_seqs: int, context: int, d: int, kv: str) -> int:
-    per = 1 + 4 / d if kv == "int8" else 2  # int8 values plus a float32 scale per token and head
+    per = kv_bytes_per_element("int8" if kv == "int8" else "bfloat16", d)
     return int(2 * num_seqs * context * KH * d * per)
 
 

@@ -15,6 +15,7 @@ from pallas_kernels.metadata import (AttentionMetadata, ContiguousCacheMetadata,
 from pallas_kernels.paged_attention import paged_attention as paged_attention_pallas
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_paged_attention_pallas
+from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 
 Impl = Literal["pallas", "reference", "xla", "cudnn"]
 IMPLS: tuple[str, ...] = ("pallas", "reference", "xla", "cudnn")
@@ -77,10 +78,16 @@ def dot_product_attention(
     return _jax_nn_attention(q, k, v, implementation=impl, **kwargs)
 
 
-def _paged_impl(impl: str | None) -> str:
-    impl = _check_impl(impl)
-    if impl not in ("pallas", "reference"):
-        raise ValueError(f"paged attention impl must be 'pallas' or 'reference', got {impl!r}")
+PAGED_IMPLS: tuple[str, ...] = ("pallas", "xla", "reference")
+
+
+def paged_impl(impl: str | None) -> str:
+    """The paged-attention implementation `impl` names: by default our Pallas kernel on GPU and the
+    XLA formulation elsewhere (the jnp reference gathers whole tables and is kept as the oracle)."""
+    if impl is None:
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl not in PAGED_IMPLS:
+        raise ValueError(f"paged attention impl must be one of {PAGED_IMPLS}, got {impl!r}")
     return impl
 
 
@@ -90,10 +97,14 @@ def ragged_paged_attention(
     impl: str | None = None,
 ) -> Float[Array, "N H D"]:
     """Mixed prefill/decode attention of a flat token batch over the paged cache."""
-    fn = ragged_paged_attention_pallas if _paged_impl(impl) == "pallas" else ragged_paged_attention_reference
-    return fn(q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens,
-              k_scales=cache.k_scale, v_scales=cache.v_scale, sliding_window=sliding_window,
-              logit_softcap=logit_softcap, scale=scale, max_q_len=metadata.max_q_len)
+    impl = paged_impl(impl)
+    kwargs = dict(k_scales=cache.k_scale, v_scales=cache.v_scale, sliding_window=sliding_window,
+                  logit_softcap=logit_softcap, scale=scale, max_q_len=metadata.max_q_len)
+    args = (q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens)
+    if impl == "xla":
+        return ragged_paged_attention_xla(*args, plan=metadata.plan, **kwargs)
+    fn = ragged_paged_attention_pallas if impl == "pallas" else ragged_paged_attention_reference
+    return fn(*args, **kwargs)
 
 
 def paged_attention(
@@ -102,9 +113,15 @@ def paged_attention(
     scale: float | None = None, impl: str | None = None,
 ) -> Float[Array, "S H D"]:
     """Decode attention: one new query per sequence over its pages."""
-    fn = paged_attention_pallas if _paged_impl(impl) == "pallas" else paged_attention_reference
-    return fn(q, cache.k, cache.v, block_tables, context_lens, k_scales=cache.k_scale, v_scales=cache.v_scale,
-              sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    impl = paged_impl(impl)
+    kwargs = dict(k_scales=cache.k_scale, v_scales=cache.v_scale, sliding_window=sliding_window,
+                  logit_softcap=logit_softcap, scale=scale)
+    if impl == "pallas":
+        return paged_attention_pallas(q, cache.k, cache.v, block_tables, context_lens, **kwargs)
+    if impl == "reference":
+        return paged_attention_reference(q, cache.k, cache.v, block_tables, context_lens, **kwargs)
+    cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    return ragged_paged_attention_xla(q, cache.k, cache.v, block_tables, cu, context_lens, max_q_len=1, **kwargs)
 
 
 def attend(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kv_quant import quantize
+from pallas_kernels.paged_tiles import TilePlan
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +56,8 @@ class PagedMetadata:
 
     Sequence s brings new tokens cu_q_lens[s]:cu_q_lens[s+1] and has kv_lens[s] keys including them;
     its pages are block_tables[s]. slot_mapping[n] = block * block_size + offset where token n's K/V
-    go (-1 for padding tokens). `max_q_len` (static) bounds any sequence's new tokens.
+    go (-1 for padding tokens). `max_q_len` (static) bounds any sequence's new tokens. `plan`, the
+    batch's work tiles built on the host (`tile_plan`), spares the XLA implementation its index work.
     """
 
     slot_mapping: Int[Array, "N"]
@@ -63,12 +65,23 @@ class PagedMetadata:
     cu_q_lens: Int[Array, "S1"]
     kv_lens: Int[Array, "S"]
     max_q_len: int | None = dataclasses.field(default=None, metadata={"static": True})
+    plan: TilePlan | None = None
 
 
 def _scatter_slots(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     flat = pool.reshape(-1, *pool.shape[2:])
     slots = jnp.where(slots < 0, flat.shape[0], slots)  # padding -> out of range -> dropped
     return flat.at[slots].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
+
+
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)  # tokens per KV block the paged kernels support
+
+
+def kv_bytes_per_element(dtype: jnp.dtype | str, head_dim: int) -> float:
+    """Pool bytes per stored K or V element: int8 values carry a float32 scale per token and head."""
+    if jnp.dtype(dtype) == jnp.int8:
+        return 1 + 4 / head_dim
+    return jnp.dtype(dtype).itemsize
 
 
 @jax.tree_util.register_dataclass

@@ -7,6 +7,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention_reference import mha_reference
 from pallas_kernels.kv_quant import dequantize
+from pallas_kernels.paged_tiles import token_sequences
 
 
 def gather_kv(pool: Float[Array, "NB BS KH D"], block_tables: Int[Array, "S MB"]) -> Float[Array, "S L KH D"]:
@@ -14,14 +15,6 @@ def gather_kv(pool: Float[Array, "NB BS KH D"], block_tables: Int[Array, "S MB"]
     s, mb = block_tables.shape
     blocks = jnp.take(pool, block_tables.reshape(-1), axis=0)
     return blocks.reshape(s, mb * pool.shape[1], *pool.shape[2:])
-
-
-def token_sequences(cu_q_lens: Int[Array, "S1"], n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For each of the n flat tokens: its sequence, its index among that sequence's new tokens, and
-    whether it is a real token (not padding past cu_q_lens[-1])."""
-    tok = jnp.arange(n)
-    seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), cu_q_lens.shape[0] - 2)
-    return seq, tok - cu_q_lens[seq], tok < cu_q_lens[-1]
 
 
 def ragged_paged_attention_reference(

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.paged_attention_reference import token_sequences
+from pallas_kernels.paged_tiles import max_work_tiles, untile, work_tiles
 from pallas_kernels.tile_ops import dot, online_softmax_step
 
 LOG2E = math.log2(math.e)
@@ -100,23 +100,6 @@ def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_re
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l))).reshape(st.tokens, st.group)
 
 
-def _work_tiles(cu_q_lens: jax.Array, kv_lens: jax.Array, tokens: int, num_tiles: int) -> tuple[jax.Array, jax.Array]:
-    """[num_tiles, 4] int32 rows (seq, first new token, q_len, kv_len), unused tiles with q_len 0;
-    and each sequence's first tile."""
-    s = kv_lens.shape[0]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    per_seq = (q_lens + tokens - 1) // tokens
-    ends = jnp.cumsum(per_seq)
-    t = jnp.arange(num_tiles)
-    seq = jnp.searchsorted(ends, t, side="right")
-    valid = seq < s
-    seq = jnp.minimum(seq, s - 1)
-    q_start = (t - (ends[seq] - per_seq[seq])) * tokens
-    info = jnp.stack([seq, jnp.where(valid, q_start, 0), jnp.where(valid, q_lens[seq], 0),
-                      jnp.where(valid, kv_lens[seq], 0)], axis=1).astype(jnp.int32)
-    return info, ends - per_seq
-
-
 def ragged_paged_attention(
     q: Float[Array, "N H D"],
     k_pool: Float[Array, "NB BS KH D"],
@@ -162,9 +145,9 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
-    num_tiles = pl.cdiv(n, tokens) + s
+    num_tiles = max_work_tiles(n, s, tokens)
     cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
-    info, first_tile = _work_tiles(cu_q_lens, kv_lens, tokens, num_tiles)
+    info, first_tile = work_tiles(cu_q_lens, kv_lens, tokens, num_tiles)
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -mb % pages_per_tile)))
     # Gather the queries into tiles [T, tokens, KH, group, D] (zero rows for padding and extra heads).
     r = jnp.arange(tokens)
@@ -201,6 +184,4 @@ def ragged_paged_attention(
     w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(w, axis=1)
     out = jnp.sum(w[..., None] * o, axis=1) / jnp.where(total == 0, 1.0, total)[..., None]
-    seq, local, real = token_sequences(cu_q_lens, n)
-    res = out[first_tile[seq] + local // tokens, local % tokens, :, : h // kh].reshape(n, h, d)
-    return jnp.where(real[:, None, None], res, 0).astype(q.dtype)
+    return untile(out[..., : h // kh, :], cu_q_lens, first_tile, tokens, n).reshape(n, h, d).astype(q.dtype)

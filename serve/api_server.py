@@ -2,6 +2,10 @@
 
     jaxinfra serve --model <dir or preset> [--port 8000] [--api-key KEY] [--max-queue N] ...
     python -m serve ...
+
+This process tokenizes, detokenizes and streams; the engine core (scheduler, KV cache, model) runs
+in a process of its own. Bad input is a 4xx for that request alone; a dead core is a 503 for new
+requests and an error event on every open stream.
 """
 
 from __future__ import annotations
@@ -10,11 +14,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,58 +30,45 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from serve.async_engine import AsyncEngine
 from serve.config import EngineArgs
-from serve.engine import LLMEngine
+from serve.core_client import EngineDeadError
 from serve.metrics import ServerMetrics
 from serve.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _Common
-from serve.outputs import RequestOutput
+from serve.outputs import CompletionOutput, RequestOutput
+
+
+def bad_request(e: Exception) -> OpenAIError:
+    """A 400 for a ValueError/TypeError raised by checking a request; names the field when it can."""
+    m = re.match(r"SamplingParams\.(\w+)", str(e))
+    return OpenAIError(400, str(e), param=m.group(1) if m else None)
+
+
+def dead(e: EngineDeadError) -> OpenAIError:
+    return OpenAIError(503, f"The engine is unavailable: {e}", type_="service_unavailable", code="engine_dead")
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_queue: int,
-                 request_timeout: float | None) -> None:
-        self.metrics = ServerMetrics(model_name)
-        self.engine = AsyncEngine(engine, on_step=self.metrics.observe, on_abort=self.metrics.forget)
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_queue: int,
+                 request_timeout: float | None, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
         self.model_name = model_name
         self.api_key = api_key
-        self.capacity = engine.args.max_num_seqs + max_queue
+        self.capacity = engine.args.max_num_seqs + max_queue  # sequences (prompts x n) in flight
         self.request_timeout = request_timeout
         self.in_flight = 0
         self.created = int(time.time())
+
+    def token_text(self, token: int) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode([token], skip_special_tokens=False) if tok else str(token)
 
 
 def _error(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def _token_text(engine: LLMEngine, token: int) -> str:
-    return engine.tokenizer.decode([token], skip_special_tokens=False) if engine.tokenizer else str(token)
-
-
-def _max_tokens(state: ServerState, req: _Common, requested: int | None, prompt_len: int) -> int:
-    limit = state.engine.engine.max_model_len
-    if prompt_len >= limit:
-        raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                               f"{prompt_len} tokens, leaving no room for a completion.", param="messages"
-                          if isinstance(req, ChatCompletionRequest) else "prompt")
-    if requested is None:
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                               f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                               f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
-    return requested
-
-
-def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
-    engine = state.engine.engine
-    if isinstance(prompt, str):
-        if engine.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer: send token ids", param="prompt")
-        return engine.tokenizer.encode(prompt)
-    if not prompt or any(t < 0 or t >= engine.model_config.vocab_size for t in prompt):
-        raise OpenAIError(400, f"prompt token ids must be non-empty and in [0, {engine.model_config.vocab_size})",
-                          param="prompt")
-    return list(prompt)
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -111,49 +104,88 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 
 class _Generation:
-    """One API call: its engine requests, how they map to choices, and the text already streamed."""
+    """One API call: its engine requests (one per prompt), how they map to choices, and what has
+    been streamed of each choice."""
 
     def __init__(self, state: ServerState, req: _Common, prompts: list[list[int]], logprobs: int | None,
-                 requested_max: int | None) -> None:
-        self.state, self.req = state, req
-        self.prompts = prompts
-        self.ids = [state.engine.new_request_id("cmpl") for _ in prompts]
-        self.params = [req.sampling_params(_max_tokens(state, req, requested_max, len(p)), logprobs) for p in prompts]
-        self.sent: dict[int, int] = {}
+                 requested_max: int | None, cache_salt: str | None = None) -> None:
+        self.state, self.req, self.prompts, self.cache_salt = state, req, prompts, cache_salt
+        self.id = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        self.ids = [f"{self.id}-{i}" for i in range(len(prompts))]
+        kind = "delta" if req.stream else "final_only"
+        try:
+            self.params = [req.sampling_params(self._max_tokens(requested_max, len(p)), logprobs, kind) for p in prompts]
+        except (ValueError, TypeError) as e:
+            raise bad_request(e) from e
+        self.num_seqs = len(prompts) * req.n
+        self.completion_tokens = 0
         self.final: dict[int, RequestOutput] = {}
+        self.text_offset: dict[int, int] = {}
+        self.roles_sent: set[int] = set()
+
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        limit = self.state.engine.max_model_len
+        param = "messages" if isinstance(self.req, ChatCompletionRequest) else "prompt"
+        if prompt_len >= limit:
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                                   f"{prompt_len} tokens, leaving no room for a completion.", param=param)
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                   f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                                   f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+        return requested
 
     async def start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = []
         try:
             for rid, prompt, params in zip(self.ids, self.prompts, self.params):
-                streams.append(await self.state.engine.add_request(rid, prompt, params))
-        except ValueError as e:
-            for rid in self.ids:
-                self.state.engine.abort(rid)
-            raise OpenAIError(400, str(e)) from e
+                streams.append(await self.state.engine.add_request(rid, prompt, params, cache_salt=self.cache_salt))
+        except BaseException as e:
+            for s in streams:
+                await s.aclose()
+            if isinstance(e, EngineDeadError):
+                raise dead(e) from e
+            if isinstance(e, (ValueError, TypeError)):
+                raise bad_request(e) from e
+            raise
+        self.state.metrics.observe_prompt(sum(len(p) for p in self.prompts))
         return _merge(streams)
 
-    def choice_index(self, prompt_index: int, seq_index: int) -> int:
+    def choice(self, prompt_index: int, seq_index: int) -> int:
         return prompt_index * self.req.n + seq_index
+
+    def record(self, i: int, out: RequestOutput) -> None:
+        """Count an output's tokens (new ones in a stream; all, once, otherwise) and keep the last."""
+        self.completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+        if out.finished:
+            self.final[i] = out
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(o.token_ids) for out in self.final.values() for o in out.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def delta(self, choice: int, text: str, finished: bool) -> str:
-        """New text since the last chunk; a trailing partial UTF-8 character waits for the next token."""
-        start = self.sent.get(choice, 0)
-        end = len(text) if finished or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
-        end = max(end, start)
-        self.sent[choice] = end
-        return text[start:end]
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}
 
 
-def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None, max_queue: int = 256,
-              request_timeout: float | None = None) -> FastAPI:
-    state = ServerState(engine, model_name, api_key, max_queue, request_timeout)
-    app = FastAPI(title="jaxinfra OpenAI-compatible server")
+Render = Callable[[_Generation, int, RequestOutput], Iterator[dict[str, Any]]]
+Final = Callable[[_Generation, bool], dict[str, Any]]
+
+
+def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None, max_queue: int = 256,
+              request_timeout: float | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app over a running AsyncEngine (its metrics hook should feed `metrics`)."""
+    metrics = metrics or ServerMetrics(model_name)
+    if engine.on_iteration is None:
+        engine.on_iteration = metrics.observe
+    state = ServerState(engine, model_name, api_key, max_queue, request_timeout, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="jaxinfra OpenAI-compatible server", lifespan=lifespan)
     app.state.server = state
 
     @app.exception_handler(OpenAIError)
@@ -182,13 +214,14 @@ def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine.error is not None:
-            return JSONResponse({"status": "error", "error": repr(state.engine.error)}, status_code=503)
+        if not engine.healthy:
+            return JSONResponse({"status": "error", "error": engine.error or "the engine core is not running"},
+                                status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -200,41 +233,28 @@ def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
             raise OpenAIError(404, f"The model '{req.model}' does not exist.", param="model", code="model_not_found")
         req.check_supported()
 
-    async def _run(request: Request, gen: _Generation, render, final) -> Response:
-        if state.in_flight >= state.capacity:
-            raise OpenAIError(429, "The server is overloaded: too many requests in flight. Retry later.",
+    def _tokenize(prompt: str | list[int]) -> list[int]:
+        try:
+            return engine.input_processor.tokenize(prompt)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="prompt") from e
+
+    async def _run(request: Request, gen: _Generation, render: Render, final: Final) -> Response:
+        if state.in_flight + gen.num_seqs > state.capacity:
+            raise OpenAIError(429, "The server is overloaded: too many sequences in flight. Retry later.",
                               type_="rate_limit_error")
-        state.in_flight += 1
+        state.in_flight += gen.num_seqs
         try:
             merged = await gen.start()
         except BaseException:
-            state.in_flight -= 1
+            state.in_flight -= gen.num_seqs
             raise
         if gen.req.stream:
-            async def sse() -> AsyncIterator[str]:
-                try:
-                    async with asyncio.timeout(state.request_timeout):
-                        async for i, out in merged:
-                            if out.finished:
-                                gen.final[i] = out
-                            for chunk in render(gen, i, out):
-                                yield f"data: {json.dumps(chunk)}\n\n"
-                    if gen.req.stream_options and gen.req.stream_options.include_usage:
-                        yield f"data: {json.dumps(final(gen, usage_only=True))}\n\n"
-                    yield "data: [DONE]\n\n"
-                except TimeoutError:
-                    err = OpenAIError(408, "request timed out", type_="timeout")
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                finally:
-                    await merged.aclose()
-                    state.in_flight -= 1
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return StreamingResponse(_stream(gen, merged, render, final), media_type="text/event-stream")
 
         async def collect() -> None:
             async for i, out in merged:
-                if out.finished:
-                    gen.final[i] = out
+                gen.record(i, out)
 
         async def watch_disconnect() -> None:
             while not await request.is_disconnected():
@@ -249,128 +269,141 @@ def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
                 if watcher in done:
                     return Response(status_code=499)
                 raise OpenAIError(408, "request timed out", type_="timeout")
-            worker.result()
-            return JSONResponse(final(gen, usage_only=False))
+            try:
+                worker.result()
+            except EngineDeadError as e:
+                raise dead(e) from e
+            except (ValueError, TypeError) as e:
+                raise bad_request(e) from e
+            return JSONResponse(final(gen, False))
         finally:
             watcher.cancel()
             await merged.aclose()
-            state.in_flight -= 1
+            state.in_flight -= gen.num_seqs
+
+    async def _stream(gen: _Generation, merged: AsyncIterator[tuple[int, RequestOutput]], render: Render,
+                      final: Final) -> AsyncIterator[str]:
+        try:
+            async with asyncio.timeout(state.request_timeout):
+                async for i, out in merged:
+                    gen.record(i, out)
+                    for chunk in render(gen, i, out):
+                        yield _sse(chunk)
+            if gen.req.stream_options and gen.req.stream_options.include_usage:
+                yield _sse(final(gen, True))
+        except TimeoutError:
+            yield _sse(OpenAIError(408, "request timed out", type_="timeout").body())
+        except EngineDeadError as e:
+            yield _sse(dead(e).body())
+        except (ValueError, TypeError) as e:
+            yield _sse(bad_request(e).body())
+        finally:
+            await merged.aclose()
+            state.in_flight -= gen.num_seqs
+        yield "data: [DONE]\n\n"
 
     # --- /v1/completions -----------------------------------------------------------------------
-    def completion_logprobs(out_logprobs, token_ids, start: int = 0) -> dict[str, Any]:
-        tokens = [_token_text(engine, t) for t in token_ids[start:]]
-        offsets, pos = [], 0
+    def completion_logprobs(gen: _Generation, c: int, o: CompletionOutput) -> dict[str, Any]:
+        tokens = [state.token_text(t) for t in o.token_ids]
+        offsets, pos = [], gen.text_offset.get(c, 0)
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens,
-                "token_logprobs": [lp[t] for lp, t in zip(out_logprobs[start:], token_ids[start:])],
-                "top_logprobs": [{_token_text(engine, k): v for k, v in lp.items()} for lp in out_logprobs[start:]],
+        gen.text_offset[c] = pos
+        return {"tokens": tokens, "token_logprobs": [lp[t] for lp, t in zip(o.logprobs, o.token_ids)],
+                "top_logprobs": [{state.token_text(k): v for k, v in lp.items()} for lp in o.logprobs],
                 "text_offset": offsets}
 
-    def completion_chunks(gen: _Generation, i: int, out: RequestOutput):
+    def completion_chunks(gen: _Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
         for o in out.outputs:
-            c = gen.choice_index(i, o.index)
-            before = gen.sent.get(("tok", c), 0)
-            delta = gen.delta(c, o.text, o.finished())
-            new_tokens = len(o.token_ids) > before
-            if not delta and not o.finished() and not (new_tokens and o.logprobs is not None):
+            c = gen.choice(i, o.index)
+            lp = completion_logprobs(gen, c, o) if o.logprobs is not None and o.token_ids else None
+            if not o.text and not o.finished() and lp is None:
                 continue
-            gen.sent[("tok", c)] = len(o.token_ids)
-            lp = completion_logprobs(o.logprobs, o.token_ids, before) if o.logprobs is not None else None
-            yield {"id": gen.ids[0], "object": "text_completion", "created": int(time.time()),
-                   "model": state.model_name,
-                   "choices": [{"index": c, "text": delta, "logprobs": lp, "finish_reason": o.finish_reason,
+            yield {"id": gen.id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+                   "choices": [{"index": c, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
                                 "stop_reason": o.stop_reason}]}
 
     def completion_final(gen: _Generation, usage_only: bool) -> dict[str, Any]:
-        body = {"id": gen.ids[0], "object": "text_completion", "created": int(time.time()),
-                "model": state.model_name, "choices": [], "usage": gen.usage()}
+        body: dict[str, Any] = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
+                                "model": state.model_name, "choices": [], "usage": gen.usage()}
         if usage_only:
             return body
         for i in sorted(gen.final):
             for o in gen.final[i].outputs:
+                c = gen.choice(i, o.index)
                 body["choices"].append({
-                    "index": gen.choice_index(i, o.index), "text": o.text, "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                    "logprobs": completion_logprobs(o.logprobs, o.token_ids) if o.logprobs is not None else None})
+                    "index": c, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "logprobs": completion_logprobs(gen, c, o) if o.logprobs is not None else None})
         return body
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         _check_model(req)
-        ids = [_encode(state, p) for p in req.prompts()]
+        ids = [_tokenize(p) for p in req.prompts()]
         gen = _Generation(state, req, ids, req.logprobs, req.max_tokens if req.max_tokens is not None else 16)
         return await _run(request, gen, completion_chunks, completion_final)
 
     # --- /v1/chat/completions ------------------------------------------------------------------
-    def chat_logprobs(out_logprobs, token_ids, top: int, start: int = 0) -> dict[str, Any]:
+    def chat_logprobs(o: CompletionOutput, top: int) -> dict[str, Any]:
         def entry(t: int, lp: float) -> dict[str, Any]:
-            s = _token_text(engine, t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            s = state.token_text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "surrogatepass"))}
 
         return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in list(lp.items())[:top]]}
-                            for lp, t in zip(out_logprobs[start:], token_ids[start:])]}
+                            for lp, t in zip(o.logprobs, o.token_ids)]}
 
-    def chat_chunks(gen: _Generation, i: int, out: RequestOutput):
+    def chat_chunks(gen: _Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
         req = gen.req
+        base = {"id": gen.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.model_name}
         for o in out.outputs:
-            c = gen.choice_index(i, o.index)
-            base = {"id": gen.ids[0], "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": state.model_name}
-            if ("role", c) not in gen.sent:
-                gen.sent[("role", c)] = 1
+            c = gen.choice(i, o.index)
+            if c not in gen.roles_sent:
+                gen.roles_sent.add(c)
                 yield {**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]}
-            before = gen.sent.get(("tok", c), 0)
-            delta = gen.delta(c, o.text, o.finished())
-            if not delta and not o.finished() and not (len(o.token_ids) > before and req.logprobs):
+            lp = chat_logprobs(o, req.top_logprobs or 0) if req.logprobs and o.token_ids else None
+            if not o.text and not o.finished() and lp is None:
                 continue
-            gen.sent[("tok", c)] = len(o.token_ids)
-            lp = chat_logprobs(o.logprobs, o.token_ids, req.top_logprobs or 0, before) if req.logprobs else None
-            yield {**base, "choices": [{"index": c, "delta": {"content": delta} if delta else {},
+            yield {**base, "choices": [{"index": c, "delta": {"content": o.text} if o.text else {},
                                         "logprobs": lp, "finish_reason": o.finish_reason}]}
 
     def chat_final(gen: _Generation, usage_only: bool) -> dict[str, Any]:
-        body = {"id": gen.ids[0], "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-                "choices": [], "usage": gen.usage()}
+        body: dict[str, Any] = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
+                                "model": state.model_name, "choices": [], "usage": gen.usage()}
         if usage_only:
             return {**body, "object": "chat.completion.chunk"}
         for o in gen.final[0].outputs:
             body["choices"].append({
                 "index": o.index, "message": {"role": "assistant", "content": o.text},
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                "logprobs": chat_logprobs(o.logprobs, o.token_ids, gen.req.top_logprobs or 0)
-                if gen.req.logprobs else None})
+                "logprobs": chat_logprobs(o, gen.req.top_logprobs or 0) if gen.req.logprobs else None})
         return body
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         _check_model(req)
-        if engine.tokenizer is None or engine.tokenizer.chat_template is None:
+        tok = engine.tokenizer
+        if tok is None or tok.chat_template is None:
             raise OpenAIError(400, "this model has no chat template", param="messages")
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         messages = [m.as_template_dict() for m in req.messages]
         try:
-            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                       tokenize=True)
+            ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
         except Exception as e:  # a template's raise_exception(), or a malformed conversation
             raise OpenAIError(400, f"chat template error: {e}", param="messages") from e
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         gen = _Generation(state, req, [ids], logprobs, req.requested_max_tokens())
         return await _run(request, gen, chat_chunks, chat_final)
 
-    @app.on_event("shutdown")
-    async def _shutdown() -> None:
-        state.engine.shutdown()
-
     return app
 
 
 @contextlib.contextmanager
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
-    """Run `app` with uvicorn on a background thread (tests, benchmarks, notebooks); yields its URL."""
+    """Run `app` with uvicorn on a background thread (tests, benchmarks, notebooks); yields its URL.
+    Stopping it shuts the engine down."""
     import uvicorn
 
     if port is None:
@@ -383,6 +416,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = No
     deadline = time.monotonic() + 60
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
+            app.state.server.engine.shutdown()
             raise RuntimeError(f"the server did not start on {host}:{port}")
         time.sleep(0.05)
     try:
@@ -405,13 +439,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-queue", type=int, default=256, help="requests allowed to wait beyond max-num-seqs; more get 429")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="sequences allowed to wait beyond max-num-seqs; requests past that get 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
     p.add_argument("--dtype", default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool off GPU")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps per jitted loop when the batch is decode-only and nothing waits")
+    p.add_argument("--no-async-scheduling", action="store_true", help="read each step's results before the next")
+    p.add_argument("--compilation-cache-dir", default=None, help="JAX's persistent compilation cache ('' = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling all batch shapes at start")
+    p.add_argument("--restart-engine", action="store_true",
+                   help="start a new engine core if it dies (in-flight requests still fail)")
     return p
 
 
@@ -419,7 +460,9 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     overrides = {k: v for k, v in dict(
         model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, seed=args.seed).items() if v is not None}
+        kv_cache_memory=args.kv_cache_memory, num_scheduler_steps=args.num_scheduler_steps,
+        compilation_cache_dir=args.compilation_cache_dir, seed=args.seed,
+        async_scheduling=False if args.no_async_scheduling else None).items() if v is not None}
     if args.config:
         return EngineArgs.from_yaml(args.config, **overrides)
     return EngineArgs(**overrides)
@@ -431,12 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         engine_args = engine_args_from(args)
-        engine = LLMEngine.from_engine_args(engine_args)
-    except ValueError as e:
+        engine = AsyncEngine(engine_args, warmup=not args.no_warmup, restart_on_failure=args.restart_engine)
+    except (ValueError, RuntimeError) as e:
         print(f"jaxinfra serve: error: {e}", file=sys.stderr)
         return 2
-    if not args.no_warmup:
-        engine.runner.warmup()
     name = args.served_model_name or (DEFAULT_MODEL_NAME if engine_args.model == DEFAULT_MODEL else engine_args.model)
     app = build_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                     request_timeout=args.request_timeout)
@@ -446,5 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
           f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{args.api_key or 'none'}'); "
           f"print(c.completions.create(model='{name}', prompt='Hello', max_tokens=16).choices[0].text)\"", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.shutdown()
     return 0

@@ -1,123 +1,205 @@
-"""AsyncEngine: the engine stepped by a background thread; requests stream RequestOutputs to asyncio."""
+"""AsyncEngine: the serving frontend. Tokenizing, detokenizing and streaming happen here, in the
+server's event loop; scheduling and the model run in an engine-core process (vLLM V1's split).
+
+`add_request` checks and queues a request and returns its stream of RequestOutputs; a stream that
+is closed before it finishes aborts its request. If the core process dies, every open stream gets
+an EngineDeadError, new requests are refused, and (with restart_on_failure) a new core is started.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
-import threading
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serve.engine import LLMEngine
+from jaxinfra.loading import load_tokenizer
+from jaxinfra.tokenizer import Tokenizer
+from serve.config import EngineArgs
+from serve.core_client import CoreProcess, EngineDeadError
+from serve.core_types import AbortRequests, EngineCoreOutputs, SchedulerStats
+from serve.input_processor import InputProcessor, Prompt
+from serve.output_processor import OutputProcessor, RequestIteration
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
 
+log = logging.getLogger("jaxinfra.serve")
+IterationHook = Callable[[list[RequestIteration], SchedulerStats | None], None]
+
 
 class AsyncEngine:
-    """Thread-safe front of an LLMEngine. `add_request` returns an async stream of cumulative
-    RequestOutputs (the last one has finished=True); `abort` stops a request and frees its blocks."""
-
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-                 on_abort: Callable[[str], None] | None = None) -> None:
-        self.engine = engine
-        self.on_step = on_step    # called on the engine thread after every step (metrics)
-        self.on_abort = on_abort
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+    def __init__(self, args: EngineArgs, *, tokenizer: Tokenizer | None = None, warmup: bool = True,
+                 restart_on_failure: bool = False, on_iteration: IterationHook | None = None) -> None:
+        self.args = args
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.tokenizer or args.model)
+        self.warmup = warmup
+        self.restart_on_failure = restart_on_failure
+        self.on_iteration = on_iteration
+        self.core = CoreProcess(args, self.tokenizer.eos_token_ids if self.tokenizer else (), warmup)
+        self.max_model_len = self.core.info.max_model_len
+        self.vocab_size = self.core.info.vocab_size
+        self.num_blocks = self.core.info.num_blocks
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.stats: SchedulerStats | None = None
+        self.error: str | None = None  # why no request is accepted now (the core died, or is restarting)
+        self.restarts = 0
+        self._calls: dict[int, asyncio.Future] = {}
+        self._task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
         self._ids = itertools.count()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
-        self._thread.start()
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """Validate and queue; raises ValueError at once for bad input, before any streaming."""
-        loop = asyncio.get_running_loop()
-        out_queue: asyncio.Queue = asyncio.Queue()
-        done = threading.Event()
-        result: dict[str, BaseException] = {}
-        self._commands.put(("add", (request_id, prompt, params, kwargs, loop, out_queue, done, result)))
-        self._wake.set()
-        await asyncio.to_thread(done.wait)
-        if "error" in result:
-            raise result["error"]
-        return self._stream(request_id, out_queue)
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self.core.alive
 
-    async def _stream(self, request_id: str, out_queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    def _ensure_output_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- requests ---------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Check and queue a request (ValueError for bad input, EngineDeadError if the core is gone);
+        returns the stream of its outputs."""
+        if not self.healthy:
+            raise EngineDeadError(self.error or "the engine core process is not running")
+        if request_id in self.streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt)
+        self._ensure_output_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
+                                          req.prompt_token_ids, params, req.arrival_time)
+        try:
+            await self.core.send(req)
+        except BaseException:
+            self.streams.pop(request_id, None)
+            self.output_processor.abort(request_id)
+            raise
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
         try:
             while True:
-                item = await out_queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 yield item
                 if item.finished:
+                    finished = True
                     return
         finally:
-            self.abort(request_id)  # no-op once finished; frees blocks if the consumer went away
+            if not finished:
+                self.abort(request_id)  # the consumer went away: free its blocks now
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        """Stop a request and free its blocks (unknown or finished ids are ignored)."""
+        self.streams.pop(request_id, None)
+        aborted = self.output_processor.abort(request_id)
+        if aborted is None:
+            return
+        if self.on_iteration:
+            self.on_iteration([aborted[1]], None)
+        if self.healthy:
+            self._spawn(self.core.send(AbortRequests([request_id])))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """A utility call on the core ("stats", "check_invariants", "reset_prefix_cache")."""
+        if not self.healthy:
+            raise EngineDeadError(self.error or "the engine core process is not running")
+        self._ensure_output_loop()
+        msg = self.core.new_call(method, list(args))
+        future = asyncio.get_running_loop().create_future()
+        self._calls[msg.call_id] = future
+        await self.core.send(msg)
+        return await future
+
+    # --- outputs ----------------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                self._handle(await self.core.recv())
+        except EngineDeadError as e:
+            log.error("engine core died: %s", e)
+            self._fail_all(str(e))
+            if self.restart_on_failure:
+                await self._restart()
+
+    def _handle(self, msg: EngineCoreOutputs) -> None:
+        if msg.utility is not None:
+            call_id, error, result = msg.utility
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(RuntimeError(error))
+        for rid, why in msg.rejected:
+            queue = self.streams.pop(rid, None)
+            self.output_processor.abort(rid)
+            if queue is not None:
+                queue.put_nowait(ValueError(why))
+        processed = self.output_processor.process(msg.outputs)
+        for out in processed.outputs:
+            queue = self.streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+                if out.finished:
+                    del self.streams[out.request_id]
+        if processed.to_abort:
+            self._spawn(self.core.send(AbortRequests([], processed.to_abort)))
+        if msg.stats is not None:
+            self.stats = msg.stats
+        if self.on_iteration:
+            self.on_iteration(processed.iterations, msg.stats)
+
+    def _fail_all(self, reason: str) -> None:
+        """The core is gone: every open stream ends with an error, every request is dropped."""
+        self.error = reason
+        iterations = []
+        for rid, queue in list(self.streams.items()):
+            queue.put_nowait(EngineDeadError(reason))
+            aborted = self.output_processor.abort(rid)
+            if aborted is not None:
+                iterations.append(aborted[1])
+        self.streams.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._calls.clear()
+        if self.on_iteration and iterations:
+            self.on_iteration(iterations, None)
+
+    async def _restart(self) -> None:
+        """Start a new core process (the supervisor option); requests are refused until it is ready."""
+        self.error = "the engine core is restarting"
+        self.core.close()
+        try:
+            self.core = await asyncio.to_thread(
+                CoreProcess, self.args, self.tokenizer.eos_token_ids if self.tokenizer else (), self.warmup)
+        except Exception as e:  # noqa: BLE001 - the reason is reported by /health
+            self.error = f"the engine core could not be restarted: {e}"
+            return
+        self.restarts += 1
+        self.error = None
+        log.warning("engine core restarted (%d so far)", self.restarts)
+        self._task = asyncio.get_running_loop().create_task(self._output_loop())
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=10)
-
-    # --- engine thread ----------------------------------------------------------------------------
-    def _handle_commands(self) -> None:
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "abort":
-                if payload in self.engine.requests:
-                    self.engine.abort_request(payload)
-                    if self.on_abort:
-                        self.on_abort(payload)
-                self._streams.pop(payload, None)
-                continue
-            request_id, prompt, params, kwargs, loop, out_queue, done, result = payload
-            try:
-                self.engine.add_request(request_id, prompt, params, **kwargs)
-                self._streams[request_id] = (loop, out_queue)
-            except (ValueError, TypeError) as e:
-                result["error"] = e
-            finally:
-                done.set()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._handle_commands()
-            if not self.engine.has_unfinished_requests():
-                if self.on_step:
-                    self.on_step(self.engine, [])
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except BaseException as e:  # a crashed step fails its requests loudly, never silently
-                self.error = e
-                for request_id, (loop, q) in list(self._streams.items()):
-                    loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"engine step failed: {e!r}"))
-                    self.engine.abort_request(request_id)
-                self._streams.clear()
-                continue
-            if self.on_step:
-                self.on_step(self.engine, outputs)
-            for out in outputs:
-                target = self._streams.get(out.request_id)
-                if target is None:
-                    continue
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
-                if out.finished:
-                    del self._streams[out.request_id]
+        if self._task is not None:
+            self._task.cancel()
+        self.core.close()

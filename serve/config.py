@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from jaxinfra.loading import DEFAULT_MODEL
+from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def default_compilation_cache_dir() -> str:
+    """JAX's persistent compilation cache: $JAXINFRA_CACHE_DIR, else the user's cache directory."""
+    base = os.environ.get("JAXINFRA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxinfra")
+    return os.path.join(base, "jax-compilation-cache")
 
 
 @dataclasses.dataclass
@@ -28,29 +40,47 @@ class EngineArgs:
     kv_cache_memory: int | None = None   # bytes for the KV pool off GPU (default 256 MiB)
     kv_cache_dtype: str = "auto"         # auto | int8
     tensor_parallel_size: int = 1
-    attn_impl: str | None = None         # pallas | reference (default: pallas on GPU)
+    attn_impl: str | None = None         # pallas | xla | reference (default: pallas on GPU, xla elsewhere)
+    async_scheduling: bool = True        # prepare step n+1 on the host while step n runs on the device
+    num_scheduler_steps: int = 1         # > 1: decode-only batches run that many steps in one jitted loop
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)  # "" = off
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"EngineArgs.block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"EngineArgs.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"EngineArgs.kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"EngineArgs.{field} {why}, got {getattr(self, field)!r}")
+
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.block_size not in BLOCK_SIZES:
+            raise bad("block_size", f"must be one of {', '.join(map(str, BLOCK_SIZES))}")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.attn_impl is not None and self.attn_impl not in PAGED_IMPLS:
+            raise bad("attn_impl", f"must be one of {', '.join(PAGED_IMPLS)} or None")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"EngineArgs.{name} must be a positive int or None, got {value!r}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"EngineArgs.max_num_seqs must be a positive int, got {self.max_num_seqs!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"EngineArgs.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"EngineArgs.tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
+            if value is not None and (not is_int(value) or value < 1):
+                raise bad(name, "must be a positive int or None")
+        for name in ("max_num_seqs", "tensor_parallel_size", "num_scheduler_steps"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise bad(name, "must be a positive int")
+        if not is_int(self.seed):
+            raise bad("seed", "must be an int")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineArgs":
         data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of engine arguments")
         data.update(overrides)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)

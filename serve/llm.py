@@ -37,11 +37,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         order = []
-        for prompt, p in zip(prompts, params):
-            rid = f"offline-{next(self._ids)}"
-            p = dataclasses.replace(p or SamplingParams(), output_kind="final_only")
-            self.engine.add_request(rid, prompt, p)
-            order.append(rid)
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, dataclasses.replace(p or SamplingParams(), output_kind="final_only"))
+                order.append(rid)
+        except (ValueError, TypeError):
+            for rid in order:  # a later prompt was refused: none of this call's prompts stay queued
+                self.engine.abort_request(rid)
+            raise
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

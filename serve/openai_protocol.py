@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import OutputKind, SamplingParams
 
 # Fields OpenAI accepts that this server does not implement: a clear 400, never silently ignored.
 UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format", "suffix",
@@ -39,7 +39,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**31)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -84,7 +84,8 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, output_kind: OutputKind) -> SamplingParams:
+        """The engine's settings for this request (a ValueError names a bad field)."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
@@ -92,7 +93,7 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty or 1.0,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind)
 
 
 class CompletionRequest(_Common):

@@ -1,15 +1,18 @@
-"""Model runner: packs scheduled tokens into bucketed flat batches and runs one jitted step.
+"""Model runner: packs scheduled tokens into bucketed flat batches and runs the jitted device steps.
 
-The step is model forward over the flat ragged batch with paged attention (the KV pools donated and
+A step is model forward over the flat ragged batch with paged attention (the KV pools donated and
 updated in place), logits only where a token is sampled, and sampling on device. Shapes are padded
-to a few buckets (tokens, sequences, block-table width, decode-only or not), so after `warmup()` no
-new compilation happens.
+to a few buckets (tokens, sequences, block-table width, decode-only or not), and every request
+option is data, so after `warmup()` nothing compiles again. Steps are dispatched asynchronously:
+`dispatch` returns at once and `fetch` waits; a decode whose previous token is still on the device
+reads it there. A decode-only batch may run `num_steps` decode steps inside one jitted loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,132 +21,262 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxinfra.models import LlamaModel
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from pallas_kernels import PagedKVCache, PagedMetadata
-from sharding import get_rules, logical_rules, shard_state
-from serve.sampler import SamplerOutput, SamplingTensors, sample
+from pallas_kernels import PagedKVCache, PagedMetadata, TilePlan, kv_bytes_per_element, paged_impl, tile_plan
+from pallas_kernels.ragged_paged_attention_xla import tile_tokens
+from serve.sampler import SamplerOutput, SamplingTensors, apply_penalties, sample
+from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGPROBS
 from serve.scheduler import SchedulerOutput
 from serve.sequence import Sequence
+from sharding import get_rules, logical_rules, named_sharding, shard_state, tensor_parallel_mesh
+
+PROMPT_LOGPROB_CHUNK = 128  # prompt tokens whose full-vocabulary logprobs are computed at once
 
 
-def _buckets(limit: int, start: int, factor: int = 4) -> list[int]:
-    out = [start]
+def buckets(limit: int, start: int, factor: int = 2) -> list[int]:
+    """start, start * factor, ... capped at limit (which is always the last bucket)."""
+    out = [min(start, limit)]
     while out[-1] < limit:
         out.append(min(out[-1] * factor, limit))
     return out
 
 
-def _fit(n: int, buckets: list[int]) -> int:
-    for b in buckets:
+def fit(n: int, options: list[int]) -> int:
+    for b in options:
         if n <= b:
             return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Host copies of what the device step produced, rows in scheduled order."""
-
-    sampled: SamplerOutput
-    prompt_logprob: np.ndarray | None = None   # [T] log p(next prompt token)
-    prompt_top_ids: np.ndarray | None = None   # [T, n]
-    prompt_top_logprobs: np.ndarray | None = None
+    raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
 
 
 def num_blocks_for_memory(model: LlamaModel, block_size: int, kv_dtype: str, memory_bytes: int) -> int:
     cfg = model.cfg
-    width = 1 + 4 / cfg.head_dim if kv_dtype == "int8" else jnp.dtype(cfg.dtype).itemsize
-    per_block = cfg.kv_bytes_per_token(1) * width * block_size
-    return int(memory_bytes // per_block)
+    dtype = "int8" if kv_dtype == "int8" else cfg.dtype
+    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_element(dtype, cfg.head_dim)
+    return int(memory_bytes // (per_block * block_size))
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One device step, prepared on the host: the sequences in row order and the arrays to send."""
+
+    seqs: list[Sequence]
+    starts: np.ndarray                # tokens each sequence had computed before this step
+    counts: np.ndarray                # new tokens per sequence
+    samples: np.ndarray               # bool per sequence: its prompt is done, so it samples a token
+    inputs: dict[str, Any]
+    sampling: SamplingTensors
+    max_q_len: int
+    num_steps: int = 1                # > 1: a jitted multi-step decode loop
+    budget: np.ndarray | None = None  # multi-step: tokens each row may still produce
+    history: tuple[np.ndarray, np.ndarray] | None = None  # penalties: [S, L] ids and is-output flags
+    prompt_logprobs: bool = False
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host copies of what a step produced, rows in scheduled order; multi-step arrays are [K, S]."""
+
+    tokens: np.ndarray
+    logprob: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    prompt_logprob: np.ndarray | None = None   # [T] log p(next prompt token)
+    prompt_top_ids: np.ndarray | None = None   # [T, MAX_LOGPROBS]
+    prompt_top_logprobs: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step: its batch and the device arrays it will fill."""
+
+    batch: StepBatch
+    out: SamplerOutput
+    prompt: tuple[jax.Array, jax.Array, jax.Array]
+
+    def fetch(self) -> StepResult:
+        want_lp = any(s.params.logprobs is not None for s in self.batch.seqs)
+        arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]
+        if self.batch.prompt_logprobs:
+            arrays += list(self.prompt)
+        host = jax.device_get(arrays)
+        res = StepResult(host[0])
+        if want_lp:
+            res.logprob, res.top_ids, res.top_logprobs = host[1:4]
+        if self.batch.prompt_logprobs:
+            res.prompt_logprob, res.prompt_top_ids, res.prompt_top_logprobs = host[-3:]
+        return res
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, block_size: int, num_blocks: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_cache_dtype: str = "auto",
-                 eos_token_ids: tuple[int, ...] = (), mesh: Mesh | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), tensor_parallel_size: int = 1,
+                 attn_impl: str | None = None, num_scheduler_steps: int = 1) -> None:
         cfg = model.cfg
-        self.mesh = mesh  # tensor parallelism: weights and KV pools split over the mesh's `tensor` axis
-        self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
         self.cfg = cfg
+        self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.max_blocks = math.ceil(max_model_len / block_size)
+        self.num_scheduler_steps = num_scheduler_steps
+        self.host_plan = paged_impl(attn_impl) == "xla"  # the XLA attention reads a host-built tile plan
         self.graphdef, self.state = nnx.split(model)
         dtype = jnp.int8 if kv_cache_dtype == "int8" else cfg.dtype
         self.caches = [PagedKVCache.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
                        for _ in range(cfg.num_layers)]
         self.rules = get_rules("tp")
-        if mesh is not None:
-            if cfg.num_kv_heads % mesh.shape["tensor"]:
-                raise ValueError(f"num_kv_heads ({cfg.num_kv_heads}) must be divisible by tensor_parallel_size "
-                                 f"({mesh.shape['tensor']})")
-            self.state = shard_state(self.state, mesh, self.rules.params)
-            kv = NamedSharding(mesh, PartitionSpec(None, None, "tensor"))
-            self.caches = jax.device_put(self.caches, kv)
-        self.token_buckets = _buckets(max_num_batched_tokens, min(16, max_num_batched_tokens))
-        self.seq_buckets = _buckets(max_num_seqs, min(8, max_num_seqs))
-        self.width_buckets = _buckets(self.max_blocks, min(4, self.max_blocks))  # block-table columns
+        self.mesh = None
+        if tensor_parallel_size > 1:  # weights and KV pools split over KV heads
+            self.mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads)
+            self.state = shard_state(self.state, self.mesh, self.rules.params)
+            pool = self.caches[0].k.shape
+            self.caches = jax.device_put(self.caches, named_sharding(
+                (None, None, "kv_heads", "head_dim"), self.rules.params, pool, self.mesh))
+        self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
+        self.seq_buckets = buckets(max_num_seqs, min(8, max_num_seqs))
+        self.width_buckets = buckets(self.max_blocks, min(4, self.max_blocks))  # block-table columns
         self.num_compilations = 0
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,),
-                             static_argnames=("max_q_len", "num_logprobs", "use_penalties", "prompt_logprobs"))
+        self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
+        self.prev_tokens = self._no_prev    # the last single step's sampled tokens, on device
+        self.prev_rows: dict[int, int] = {}  # seq_id -> its row in prev_tokens
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("max_q_len",))
+        self._multi = jax.jit(self._multi_impl, donate_argnums=(1,), static_argnames=("num_steps",))
+        self._penalized = jax.jit(self._penalized_impl)
 
-    # --- device step --------------------------------------------------------------------------
-    def _step_impl(self, state, caches, inputs, sampling, *, max_q_len, num_logprobs, use_penalties,
-                   prompt_logprobs):
+    # --- device side ------------------------------------------------------------------------------
+    def _traced(self) -> None:
         self.num_compilations += 1  # runs only while tracing: counts compilations
-        if self.mesh is not None:
-            with logical_rules(self.mesh, self.rules.activations):
-                return self._forward_and_sample(state, caches, inputs, sampling, max_q_len=max_q_len,
-                                                num_logprobs=num_logprobs, use_penalties=use_penalties,
-                                                prompt_logprobs=prompt_logprobs)
-        return self._forward_and_sample(state, caches, inputs, sampling, max_q_len=max_q_len,
-                                        num_logprobs=num_logprobs, use_penalties=use_penalties,
-                                        prompt_logprobs=prompt_logprobs)
 
-    def _forward_and_sample(self, state, caches, inputs, sampling, *, max_q_len, num_logprobs, use_penalties,
-                            prompt_logprobs):
+    def _sharded(self, fn, *args, **kwargs):
+        if self.mesh is None:
+            return fn(*args, **kwargs)
+        with logical_rules(self.mesh, self.rules.activations):
+            return fn(*args, **kwargs)
+
+    def _meta(self, inputs: dict, kv_lens: jax.Array, slots: jax.Array, max_q_len: int,
+              q_pos: jax.Array | None = None) -> PagedMetadata:
+        plan = inputs.get("plan")
+        if plan is not None and q_pos is not None:
+            plan = dataclasses.replace(plan, q_pos=q_pos[:, None])
+        return PagedMetadata(slots, inputs["block_tables"], inputs["cu_q_lens"], kv_lens, max_q_len, plan)
+
+    @staticmethod
+    def _input_ids(inputs: dict, prev_tokens: jax.Array) -> jax.Array:
+        prev = inputs["prev_index"]
+        return jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], inputs["input_ids"])
+
+    def _padded(self, tokens: jax.Array) -> jax.Array:
+        return jnp.zeros((self.max_num_seqs,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+    def _prompt_logprobs(self, model: LlamaModel, h: jax.Array, targets: jax.Array):
+        """log p(next prompt token) and the top MAX_LOGPROBS per token, a chunk of tokens at a time."""
+        t = h.shape[0]
+        chunk = min(PROMPT_LOGPROB_CHUNK, t)
+        pad = -t % chunk
+        hs = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, chunk, h.shape[-1])
+        ts = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
+
+        def one(args):
+            hc, tc = args
+            lp = jax.nn.log_softmax(model.logits(hc), axis=-1)
+            top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+            return jnp.take_along_axis(lp, jnp.maximum(tc, 0)[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+        target, ids, lps = jax.lax.map(one, (hs, ts))
+        return target.reshape(-1)[:t], ids.reshape(-1, MAX_LOGPROBS)[:t].astype(jnp.int32), \
+            lps.reshape(-1, MAX_LOGPROBS)[:t]
+
+    def _step_impl(self, state, caches, inputs, sampling, prev_tokens, *, max_q_len):
+        self._traced()
+        return self._sharded(self._forward_and_sample, state, caches, inputs, sampling, prev_tokens, max_q_len)
+
+    def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
         model = nnx.merge(self.graphdef, state)
-        meta = PagedMetadata(inputs["slot_mapping"], inputs["block_tables"], inputs["cu_q_lens"],
-                             inputs["kv_lens"], max_q_len)
-        h, caches = model.hidden_states(inputs["input_ids"][None], inputs["positions"][None], meta, caches)
+        meta = self._meta(inputs, inputs["kv_lens"], inputs["slot_mapping"], max_q_len)
+        ids = self._input_ids(inputs, prev_tokens)
+        h, caches = model.hidden_states(ids[None], inputs["positions"][None], meta, caches)
         h = h[0]
-        out = sample(model.logits(h[inputs["logits_indices"]]), sampling, num_logprobs=num_logprobs,
-                     use_penalties=use_penalties)
-        extra = None
-        if prompt_logprobs is not None:
-            lp = jax.nn.log_softmax(model.logits(h), axis=-1)
-            target = jnp.take_along_axis(lp, inputs["prompt_targets"][:, None], axis=-1)[:, 0]
-            top_lp, top_ids = jax.lax.top_k(lp, max(prompt_logprobs, 1))
-            extra = (target, top_ids, top_lp)
-        return out, extra, caches
+        logits = model.logits(h[inputs["logits_indices"]])
+        out = sample(logits, sampling, eos_ids=self.eos_token_ids)
+        targets = inputs["prompt_targets"]
+        t = targets.shape[0]
+        zeros = lambda: (jnp.zeros((t,), jnp.float32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),  # noqa: E731
+                         jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
+        prompt = jax.lax.cond(jnp.any(targets >= 0), lambda: self._prompt_logprobs(model, h, targets), zeros)
+        return out, self._padded(out.tokens), logits, prompt, caches
 
-    # --- host side ----------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> tuple[dict, SamplingTensors, dict]:
-        """Numpy inputs for one step (the host work the overhead benchmark times)."""
+    def _penalized_impl(self, logits, sampling, history, is_output):
+        self._traced()
+        out = sample(apply_penalties(logits, sampling, history, is_output), sampling, eos_ids=self.eos_token_ids,
+                     raw_logits=logits)
+        return out, self._padded(out.tokens)
+
+    def _multi_impl(self, state, caches, inputs, sampling, prev_tokens, budget, *, num_steps):
+        self._traced()
+        return self._sharded(self._decode_loop, state, caches, inputs, sampling, prev_tokens, budget, num_steps)
+
+    def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, num_steps):
+        """Up to num_steps decode steps; a row stops at EOS, a stop id or its budget (as the host
+        checks), and the loop ends early once every row has stopped. Tokens [K, S], -1 where none."""
+        model = nnx.merge(self.graphdef, state)
+        s = budget.shape[0]
+        eos = jnp.asarray(self.eos_token_ids or (-1,), jnp.int32)
+        rows = jnp.arange(s)
+        positions0, kv0, tables = inputs["positions"], inputs["kv_lens"], inputs["block_tables"]
+
+        def body(carry):
+            i, ids, active, caches, acc = carry
+            pos = positions0 + i
+            block = tables[rows, jnp.minimum(pos // self.block_size, tables.shape[1] - 1)]
+            slots = jnp.where(active, block * self.block_size + pos % self.block_size, -1)
+            meta = self._meta(inputs, jnp.where(active, kv0 + i, 0), slots, 1, jnp.where(active, pos, -1))
+            h, caches = model.hidden_states(ids[None], pos[None], meta, caches)
+            t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
+            out = sample(model.logits(h[0]), t, eos_ids=self.eos_token_ids)
+            produced = t.out_pos + 1
+            stop_token = (jnp.any(out.tokens[:, None] == eos[None, :], axis=1) & ~t.ignore_eos) | \
+                jnp.any(out.tokens[:, None] == t.stop_ids, axis=1)
+            stopped = ((produced >= t.min_tokens) & stop_token) | (i + 1 >= budget)
+            acc = jax.tree.map(lambda a, x: a.at[i].set(x), acc,
+                               (jnp.where(active, out.tokens, -1), out.logprob, out.top_ids, out.top_logprobs))
+            return i + 1, out.tokens, active & ~stopped, caches, acc
+
+        acc = (jnp.full((num_steps, s), -1, jnp.int32), jnp.zeros((num_steps, s), jnp.float32),
+               jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.float32))
+        init = (jnp.int32(0), self._input_ids(inputs, prev_tokens), budget > 0, caches, acc)
+        _, _, _, caches, (tokens, lp, top_ids, top_lp) = jax.lax.while_loop(
+            lambda c: (c[0] < num_steps) & jnp.any(c[2]), body, init)
+        return SamplerOutput(tokens, lp, top_ids, top_lp), caches
+
+    # --- host side --------------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput, num_steps: int = 1) -> StepBatch:
+        """Host arrays for one step (or a multi-step decode run when num_steps > 1)."""
         seqs = [s for s, _ in sched.scheduled]
         n_seq = len(seqs)
         counts = np.fromiter((n for _, n in sched.scheduled), np.int32, n_seq)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n_seq)
         n_tok = int(counts.sum())
         decode_only = int(counts.max(initial=0)) <= 1
-        sb = _fit(n_seq, self.seq_buckets)
-        tb = sb if decode_only else _fit(n_tok, self.token_buckets)  # decodes: one token per sequence slot
+        sb = fit(n_seq, self.seq_buckets)
+        tb = sb if decode_only else fit(n_tok, self.token_buckets)  # decodes: one token per sequence slot
         cu = np.zeros(sb + 1, np.int32)
         np.cumsum(counts, out=cu[1:n_seq + 1])
         cu[n_seq + 1:] = cu[n_seq]
         seq_of_tok = np.repeat(np.arange(n_seq), counts)
         positions = np.zeros(tb, np.int32)
         positions[:n_tok] = starts[seq_of_tok] + np.arange(n_tok) - cu[seq_of_tok]
-        width = _fit(max(len(s.block_ids) for s in seqs), self.width_buckets)
+        width = fit(max(len(s.block_ids) for s in seqs), self.width_buckets)
         block_tables = np.zeros((sb, width), np.int32)
-        block_tables[:n_seq] = [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
+        for i, s in enumerate(seqs):
+            block_tables[i, :len(s.block_ids)] = s.block_ids
         input_ids = np.zeros(tb, np.int32)
-        input_ids[:n_tok] = [t for s, n in sched.scheduled
-                             for t in s.tokens[s.num_computed_tokens:s.num_computed_tokens + n]]
+        prev_index = np.full(tb, -1, np.int32)
+        for i, (s, n) in enumerate(sched.scheduled):
+            start, known = s.num_computed_tokens, len(s.tokens)
+            if start + n <= known:
+                input_ids[cu[i]:cu[i] + n] = s.tokens[start:start + n]
+            else:  # a decode of the token the previous step is still sampling on the device
+                prev_index[cu[i]] = self.prev_rows[s.seq_id]
         slots = np.full(tb, -1, np.int32)
         p = positions[:n_tok]
         slots[:n_tok] = block_tables[seq_of_tok, p // self.block_size] * self.block_size + p % self.block_size
@@ -151,59 +284,91 @@ class ModelRunner:
         kv_lens[:n_seq] = starts + counts
         logits_indices = np.zeros(sb, np.int32)
         logits_indices[:n_seq] = cu[1:n_seq + 1] - 1
-        inputs = dict(input_ids=input_ids, positions=positions, slot_mapping=slots, block_tables=block_tables,
-                      cu_q_lens=cu, kv_lens=kv_lens, logits_indices=logits_indices)
-        want_prompt = [s for s in seqs if s.wants_prompt_logprobs and s.num_computed_tokens < s.prompt_len]
-        static = dict(max_q_len=1 if decode_only else tb,
-                      num_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
-                      use_penalties=any(s.params.uses_penalties for s in seqs),
-                      prompt_logprobs=max((s.params.prompt_logprobs for s in want_prompt), default=None))
-        if static["prompt_logprobs"] is not None:
-            targets = np.zeros(tb, np.int32)
+        samples = starts + counts >= np.fromiter((s.num_tokens for s in seqs), np.int32, n_seq)
+        max_q_len = 1 if decode_only else tb
+        inputs: dict[str, Any] = dict(
+            input_ids=input_ids, prev_index=prev_index, positions=positions, slot_mapping=slots,
+            block_tables=block_tables, cu_q_lens=cu, kv_lens=kv_lens, logits_indices=logits_indices)
+        prompt_logprobs = False
+        if num_steps == 1:
+            targets = np.full(tb, -1, np.int32)
             for i, (s, n) in enumerate(sched.scheduled):
-                nxt = s.tokens[s.num_computed_tokens + 1:s.num_computed_tokens + n + 1]
-                targets[cu[i]:cu[i] + len(nxt)] = nxt
+                if s.wants_prompt_logprobs and s.num_computed_tokens < s.prompt_len:
+                    nxt = s.tokens[s.num_computed_tokens + 1:min(s.num_computed_tokens + n + 1, s.prompt_len)]
+                    targets[cu[i]:cu[i] + len(nxt)] = nxt
+                    prompt_logprobs = True
             inputs["prompt_targets"] = targets
-        return inputs, self._sampling(seqs, sb, static["use_penalties"]), static
+        batch = StepBatch(seqs, starts, counts, samples, inputs, self._sampling(seqs, sb), max_q_len, num_steps,
+                          prompt_logprobs=prompt_logprobs)
+        plan_kv = kv_lens
+        if num_steps > 1:
+            batch.budget = np.zeros(sb, np.int32)
+            batch.budget[:n_seq] = [min(self.budget(s), num_steps) for s in seqs]
+            plan_kv = kv_lens + np.maximum(batch.budget - 1, 0)  # pages up to the last token the loop may write
+        elif any(s.params.uses_penalties for s in seqs):
+            batch.history = self._history(seqs, sb)
+        if self.host_plan:
+            inputs["plan"] = tile_plan(cu, plan_kv, block_tables, self.block_size, tb, tile_tokens(max_q_len, tb), np)
+        return batch
 
-    def _sampling(self, seqs: list[Sequence], sb: int, use_penalties: bool) -> SamplingTensors:
+    def budget(self, seq: Sequence) -> int:
+        """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
+        left = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        return max(left, 0)
+
+    def _history(self, seqs: list[Sequence], sb: int) -> tuple[np.ndarray, np.ndarray]:
+        history = np.full((sb, self.max_model_len), -1, np.int32)
+        is_out = np.zeros((sb, self.max_model_len), bool)
+        for i, s in enumerate(seqs):
+            history[i, :len(s.tokens)] = s.tokens
+            is_out[i, s.prompt_len:len(s.tokens)] = True
+        return history, is_out
+
+    def _sampling(self, seqs: list[Sequence], sb: int) -> SamplingTensors:
         n = len(seqs)
         floats = np.zeros((sb, 6), np.float32)
         floats[:, 2] = floats[:, 5] = 1.0  # top_p, repetition_penalty defaults for padding rows
-        ints = np.zeros((sb, 4), np.int32)
+        ints = np.zeros((sb, 5), np.int32)
+        flags = np.zeros((sb, 2), bool)
+        stop_ids = np.full((sb, MAX_BANNED_STOP_IDS), -1, np.int32)
         if n:
+            params = [s.params for s in seqs]
             floats[:n] = [(p.temperature, p.min_p, p.top_p, p.presence_penalty, p.frequency_penalty,
-                           p.repetition_penalty) for p in (s.params for s in seqs)]
-            ints[:n] = [(s.params.top_k, s.seed, s.index, s.num_output_tokens) for s in seqs]
-        if use_penalties:
-            width = _pow2(max(s.num_tokens for s in seqs))
-            history = np.full((sb, width), -1, np.int32)
-            is_out = np.zeros((sb, width), np.int32)
-            for i, s in enumerate(seqs):
-                history[i, :s.num_tokens] = s.tokens
-                is_out[i, s.prompt_len:s.num_tokens] = 1
-        else:
-            history, is_out = np.full((sb, 1), -1, np.int32), np.zeros((sb, 1), np.int32)
-        held = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
-        banned_rows = {i: sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.eos_token_ids)))
-                       for i, s in held}
-        banned = np.full((sb, _pow2(max((len(b) for b in banned_rows.values()), default=1))), -1, np.int32)
-        for i, b in banned_rows.items():
-            banned[i, :len(b)] = b
+                           p.repetition_penalty) for p in params]
+            ints[:n] = [(min(p.top_k, self.cfg.vocab_size), s.seed, s.index, s.num_output_tokens, p.min_tokens)
+                        for s, p in zip(seqs, params)]
+            flags[:n] = [(p.ignore_eos, p.logprobs is not None) for p in params]
+            for i, p in enumerate(params):
+                ids = p.stop_token_ids[:MAX_BANNED_STOP_IDS]
+                stop_ids[i, :len(ids)] = ids
         return SamplingTensors(
             temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 2], min_p=floats[:, 1], seed=ints[:, 1],
-            sibling=ints[:, 2], out_pos=ints[:, 3], presence=floats[:, 3], frequency=floats[:, 4],
-            repetition=floats[:, 5], history=history, history_is_output=is_out, banned=banned)
+            sibling=ints[:, 2], out_pos=ints[:, 3], min_tokens=ints[:, 4], ignore_eos=flags[:, 0],
+            stop_ids=stop_ids, logprobs=flags[:, 1], presence=floats[:, 3], frequency=floats[:, 4],
+            repetition=floats[:, 5])
+
+    def dispatch(self, batch: StepBatch) -> InFlight:
+        """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
+        if batch.num_steps > 1:
+            out, self.caches = self._multi(self.state, self.caches, batch.inputs, batch.sampling, self.prev_tokens,
+                                           batch.budget, num_steps=batch.num_steps)
+            self.prev_tokens, self.prev_rows = self._no_prev, {}
+            return InFlight(batch, out, ())
+        out, padded, logits, prompt, self.caches = self._step(self.state, self.caches, batch.inputs, batch.sampling,
+                                                              self.prev_tokens, max_q_len=batch.max_q_len)
+        if batch.history is not None:
+            out, padded = self._penalized(logits, batch.sampling, *batch.history)
+        self.prev_tokens = padded
+        self.prev_rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
+        return InFlight(batch, out, prompt)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        inputs, sampling, static = self.prepare(sched)
-        out, extra, self.caches = self._step(self.state, self.caches, inputs, sampling, **static)
-        out = jax.device_get(out)
-        result = StepResult(out)
-        if extra is not None:
-            result.prompt_logprob, result.prompt_top_ids, result.prompt_top_logprobs = jax.device_get(extra)
-        return result
+        """Prepare, run and fetch one step synchronously."""
+        return self.dispatch(self.prepare(sched)).fetch()
 
+    # --- warm-up ----------------------------------------------------------------------------------
     def shapes(self) -> list[tuple[int, int, int, int]]:
         """Every (tokens, sequences, block-table width, max_q_len) a step can have: decode-only
         batches (one token per sequence bucket slot) and batches with a prompt chunk."""
@@ -215,12 +380,34 @@ class ModelRunner:
                 out += [(tb, sb, w, tb) for w in self.width_buckets]
         return out
 
+    def _dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
+        inputs: dict[str, Any] = dict(
+            input_ids=np.zeros(tb, np.int32), prev_index=np.full(tb, -1, np.int32), positions=np.zeros(tb, np.int32),
+            slot_mapping=np.full(tb, -1, np.int32), block_tables=np.zeros((sb, width), np.int32),
+            cu_q_lens=np.zeros(sb + 1, np.int32), kv_lens=np.zeros(sb, np.int32), logits_indices=np.zeros(sb, np.int32))
+        if num_steps == 1:
+            inputs["prompt_targets"] = np.full(tb, -1, np.int32)
+        if self.host_plan:
+            inputs["plan"] = tile_plan(inputs["cu_q_lens"], inputs["kv_lens"], inputs["block_tables"], self.block_size,
+                                       tb, tile_tokens(q, tb), np)
+        empty = np.zeros(0, np.int32)
+        batch = StepBatch([], empty, empty, np.zeros(0, bool), inputs, self._sampling([], sb), q, num_steps)
+        if num_steps > 1:
+            batch.budget = np.zeros(sb, np.int32)
+        return batch
+
     def warmup(self) -> None:
-        """Compile every step shape (`shapes()`) for requests without logprobs or penalties."""
-        for tb, sb, width, q in tqdm(self.shapes(), desc="compiling step shapes", unit="shape", leave=False):
-            inputs = dict(input_ids=np.zeros(tb, np.int32), positions=np.zeros(tb, np.int32),
-                          slot_mapping=np.full(tb, -1, np.int32), block_tables=np.zeros((sb, width), np.int32),
-                          cu_q_lens=np.zeros(sb + 1, np.int32), kv_lens=np.zeros(sb, np.int32),
-                          logits_indices=np.zeros(sb, np.int32))
-            _, _, self.caches = self._step(self.state, self.caches, inputs, self._sampling([], sb, False),
-                                           max_q_len=q, num_logprobs=0, use_penalties=False, prompt_logprobs=None)
+        """Compile every step shape (`shapes()`), the penalty sampler per sequence bucket and, with
+        num_scheduler_steps > 1, the decode loop per decode shape."""
+        jobs = [self._dummy(*shape) for shape in self.shapes()]
+        if self.num_scheduler_steps > 1:
+            jobs += [self._dummy(sb, sb, w, 1, self.num_scheduler_steps)
+                     for sb in self.seq_buckets for w in self.width_buckets]
+        for sb in self.seq_buckets:
+            batch = self._dummy(sb, sb, self.width_buckets[0], 1)
+            batch.history = self._history([], sb)
+            jobs.append(batch)
+        for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):
+            self.dispatch(batch)
+        jax.block_until_ready(self.caches)
+        self.prev_tokens, self.prev_rows = self._no_prev, {}

@@ -1,4 +1,9 @@
-"""On-device sampling for a batch of requests, each with its own settings and RNG stream."""
+"""On-device sampling for a batch of requests, each with its own settings and RNG stream.
+
+Every request option is data, not shape: one compiled sampler serves greedy and random rows,
+top-k/top-p/min-p, min_tokens with stop ids, and logprobs (computed only when a row asks, under
+`lax.cond`). Penalties need the token history and run as a second jitted call on the logits.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,21 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
+
+from serve.sampling_params import MAX_LOGPROBS
+
+# When every random row has 0 < top_k <= this, sampling works on that many candidates instead of
+# sorting the whole vocabulary.
+TOPK_CANDIDATES = 64
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
     """Per-row settings [S]. Keys come from (seed, sibling index, output position), so a request's
-    samples do not depend on what else is in the batch. `history` [S, L] holds prompt + output ids
-    (-1 padding) for penalties; `banned` [S, K] ids that may not be sampled yet (min_tokens)."""
+    samples do not depend on what else is in the batch. While out_pos < min_tokens, `stop_ids`
+    [S, K] (-1 padding) and, unless ignore_eos, the model's EOS ids may not be sampled."""
 
     temperature: Float[Array, "S"]
     top_k: Int[Array, "S"]
@@ -23,12 +34,13 @@ class SamplingTensors:
     seed: Int[Array, "S"]
     sibling: Int[Array, "S"]
     out_pos: Int[Array, "S"]
+    min_tokens: Int[Array, "S"]
+    ignore_eos: Bool[Array, "S"]
+    stop_ids: Int[Array, "S K"]
+    logprobs: Bool[Array, "S"]
     presence: Float[Array, "S"]
     frequency: Float[Array, "S"]
     repetition: Float[Array, "S"]
-    history: Int[Array, "S L"]
-    history_is_output: Int[Array, "S L"]
-    banned: Int[Array, "S K"]
 
 
 @jax.tree_util.register_dataclass
@@ -36,61 +48,95 @@ class SamplingTensors:
 class SamplerOutput:
     tokens: Int[Array, "S"]
     logprob: Float[Array, "S"]       # log p(sampled token) under the model's raw distribution
-    top_ids: Int[Array, "S N"]
+    top_ids: Int[Array, "S N"]       # the MAX_LOGPROBS most likely tokens (rows that asked)
     top_logprobs: Float[Array, "S N"]
 
 
-def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def apply_penalties(logits: Float[Array, "S V"], t: SamplingTensors, history: Int[Array, "S L"],
+                    history_is_output: Bool[Array, "S L"]) -> Float[Array, "S V"]:
+    """vLLM's repetition (prompt + output), frequency and presence (output) penalties; -1 pads history."""
     s, v = logits.shape
-    rows = jnp.broadcast_to(jnp.arange(s)[:, None], t.history.shape)
-    ids = jnp.where(t.history < 0, v, t.history)  # padding -> dropped
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], history.shape)
+    ids = jnp.where(history < 0, v, history)  # padding -> dropped
     seen = jnp.zeros((s, v), bool).at[rows, ids].set(True, mode="drop")
-    out_counts = jnp.zeros((s, v), jnp.float32).at[rows, ids].add(t.history_is_output.astype(jnp.float32),
-                                                                    mode="drop")
+    out_counts = jnp.zeros((s, v), jnp.float32).at[rows, ids].add(history_is_output.astype(jnp.float32), mode="drop")
     rep = t.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - t.frequency[:, None] * out_counts - t.presence[:, None] * (out_counts > 0)
-    return logits
+    return logits - t.frequency[:, None] * out_counts - t.presence[:, None] * (out_counts > 0)
 
 
-def _filter(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Per-row top-k, top-p and min-p on temperature-scaled logits."""
-    v = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(t.top_k - 1, 0, v - 1)[:, None], axis=-1)
-    logits = jnp.where((t.top_k[:, None] > 0) & (logits < kth), -jnp.inf, logits)
-    sorted_desc = jnp.where((t.top_k[:, None] > 0) & (sorted_desc < kth), -jnp.inf, sorted_desc)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    cut = jnp.min(jnp.where(mass_before < t.top_p[:, None], sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cut, -jnp.inf, logits)
-    p = jax.nn.softmax(logits, axis=-1)
-    return jnp.where(p < t.min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), -jnp.inf, logits)
+def _ban(logits: jax.Array, t: SamplingTensors, eos_ids: tuple[int, ...]) -> jax.Array:
+    s, v = logits.shape
+    held = (t.out_pos < t.min_tokens)[:, None]
+    eos = jnp.broadcast_to(jnp.asarray(eos_ids or (-1,), jnp.int32), (s, max(len(eos_ids), 1)))
+    eos = jnp.where(t.ignore_eos[:, None], -1, eos)
+    banned = jnp.where(held, jnp.concatenate([t.stop_ids, eos], axis=1), -1)
+    banned = jnp.where(banned < 0, v, banned)
+    return logits.at[jnp.arange(s)[:, None], banned].set(-jnp.inf, mode="drop")
 
 
 def _row_key(seed: jax.Array, sibling: jax.Array, pos: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sibling), pos)
 
 
-def sample(logits: Float[Array, "S V"], t: SamplingTensors, *, num_logprobs: int, use_penalties: bool) -> SamplerOutput:
-    """Sample one token per row; temperature 0 rows are greedy, and an all-greedy batch skips the
-    random path at run time. Logprobs are of the raw logits."""
-    logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    if use_penalties:
-        logits = _apply_penalties(logits, t)
+def _keep_top_p_min_p(sorted_desc: jax.Array, t: SamplingTensors) -> jax.Array:
+    """The smallest logit each row keeps after top-p and min-p, from its logits sorted descending."""
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < t.top_p[:, None]) & (probs >= t.min_p[:, None] * probs[:, :1])
+    return jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+
+
+def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Gumbel-max over the top-k / top-p / min-p support of temperature-scaled logits. The noise is
+    drawn per (row key, token id), so the candidates shortcut picks exactly what the full sort would."""
     s, v = logits.shape
-    banned_ids = jnp.where(t.banned < 0, v, t.banned)
-    logits = logits.at[jnp.arange(s)[:, None], banned_ids].set(-jnp.inf, mode="drop")
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+    keys = jax.vmap(_row_key)(t.seed, t.sibling, t.out_pos)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
+    random_rows = t.temperature > 0
+    topk_on = t.top_k > 0
 
-    def random_rows() -> jax.Array:
-        scaled = _filter(logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None], t)
-        keys = jax.vmap(_row_key)(t.seed, t.sibling, t.out_pos)
-        sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
-        return jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
+    def candidates() -> jax.Array:
+        vals, ids = jax.lax.top_k(scaled, TOPK_CANDIDATES)
+        vals = jnp.where(jnp.arange(TOPK_CANDIDATES)[None, :] < t.top_k[:, None], vals, -jnp.inf)
+        vals = jnp.where(vals >= _keep_top_p_min_p(vals, t), vals, -jnp.inf)
+        pick = jnp.argmax(vals + jnp.take_along_axis(noise, ids, axis=1), axis=-1)
+        return jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
 
-    tokens = jax.lax.cond(jnp.any(t.temperature > 0), random_rows, lambda: greedy)
-    top_lps, top_ids = jax.lax.top_k(raw_logprobs, max(num_logprobs, 1))
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SamplerOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lps)
+    def full_sort() -> jax.Array:
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        kth = jnp.take_along_axis(sorted_desc, jnp.clip(t.top_k - 1, 0, v - 1)[:, None], axis=-1)
+        in_topk = ~topk_on[:, None] | (scaled >= kth)
+        sorted_desc = jnp.where(~topk_on[:, None] | (sorted_desc >= kth), sorted_desc, -jnp.inf)
+        keep = in_topk & (scaled >= _keep_top_p_min_p(sorted_desc, t))
+        return jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + noise, axis=-1)
+
+    if v < TOPK_CANDIDATES:
+        return full_sort().astype(jnp.int32)
+    few = jnp.all(~random_rows | (topk_on & (t.top_k <= TOPK_CANDIDATES)))
+    return jax.lax.cond(few, candidates, full_sort).astype(jnp.int32)
+
+
+def sample(logits: Float[Array, "S V"], t: SamplingTensors, *, eos_ids: tuple[int, ...] = (),
+           raw_logits: Float[Array, "S V"] | None = None) -> SamplerOutput:
+    """One token per row; temperature-0 rows are greedy, and an all-greedy batch skips the random
+    path at run time. Logprobs are of `raw_logits` (the model's, before penalties; default `logits`)."""
+    raw = (logits if raw_logits is None else raw_logits).astype(jnp.float32)
+    masked = _ban(logits.astype(jnp.float32), t, eos_ids)
+    greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(jnp.any(t.temperature > 0),
+                          lambda: jnp.where(t.temperature > 0, _random_tokens(masked, t), greedy), lambda: greedy)
+
+    def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    def without() -> tuple[jax.Array, jax.Array, jax.Array]:
+        s = raw.shape[0]
+        return (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
+
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(t.logprobs), with_logprobs, without)
+    return SamplerOutput(tokens, chosen, top_ids, top_lp)

@@ -1,13 +1,28 @@
-"""Per-request sampling settings, with vLLM's names and meanings."""
+"""Per-request sampling settings, with vLLM's names and meanings, range-checked on construction."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any, Literal
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20           # top alternatives per position (vLLM's default max_logprobs)
+MAX_BANNED_STOP_IDS = 32    # stop_token_ids held back on device while min_tokens is not reached
+OutputKind = Literal["cumulative", "delta", "final_only"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
 class SamplingParams:
-    """How to sample one request. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those."""
+    """How to sample one request. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those.
+
+    output_kind: "cumulative" (every output holds everything so far), "delta" (only what is new since
+    the last output; streams) or "final_only" (one output when finished)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -27,52 +42,60 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: str = "cumulative"  # cumulative: an output every step; final_only: only when finished
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an int >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
+        def check_int(field: str, lo: int, hi: int, optional: bool = False) -> None:
+            value = getattr(self, field)
+            if value is None and optional:
+                return
+            if not _is_int(value) or not lo <= value <= hi:
+                raise bad(field, f"must be an int in [{lo}, {hi}]" + (" or None" if optional else ""))
+
+        def check_float(field: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(field, "must be a finite number")
+            if value < lo or value > hi or (lo_open and value == lo):
+                raise bad(field, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+            setattr(self, field, float(value))
+
+        check_int("n", 1, INT32_MAX)
+        check_float("temperature", 0.0, math.inf)
+        check_float("top_p", 0.0, 1.0, lo_open=True)
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be an int >= 0 (0 or -1 disables)")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an int >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an int >= 0")
+        check_int("top_k", 0, INT32_MAX)
+        check_float("min_p", 0.0, 1.0)
+        check_float("presence_penalty", -2.0, 2.0)
+        check_float("frequency_penalty", -2.0, 2.0)
+        check_float("repetition_penalty", 0.0, math.inf, lo_open=True)
+        check_int("seed", INT64_MIN, INT64_MAX, optional=True)
+        check_int("max_tokens", 1, INT32_MAX, optional=True)
+        check_int("min_tokens", 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        for field in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
-                raise bad(field, "must be an int in [0, 20] or None")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an int or None")
-        if self.output_kind not in ("cumulative", "final_only"):
-            raise bad("output_kind", "must be 'cumulative' or 'final_only'")
+        check_int("logprobs", 0, MAX_LOGPROBS, optional=True)
+        check_int("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            raise bad("output_kind", "must be 'cumulative', 'delta' or 'final_only'")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, (list, tuple, type(None))) or not all(isinstance(s, str) for s in self.stop or []):
             raise bad("stop", "must be a string or a list of strings")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of non-negative ints")
+        self.stop = [s for s in (self.stop or []) if s]
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple, type(None))) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids or []):
+            raise bad("stop_token_ids", f"must be a list of ints in [0, {INT32_MAX}]")
+        self.stop_token_ids = list(ids or [])
+        if self.min_tokens > 0 and len(set(self.stop_token_ids)) > MAX_BANNED_STOP_IDS:
+            raise bad("stop_token_ids", f"may hold at most {MAX_BANNED_STOP_IDS} distinct ids when min_tokens > 0")
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "must be a bool")
 
     @property
     def greedy(self) -> bool:
@@ -81,3 +104,11 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def device_seed(self) -> int | None:
+        """The seed folded into the int32 range the device sampler keys from."""
+        if self.seed is None:
+            return None
+        s = self.seed & 0xFFFFFFFFFFFFFFFF
+        return (s ^ (s >> 32)) & 0x7FFFFFFF

@@ -18,11 +18,19 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for _, n in self.scheduled)
+
 
 class Scheduler:
     """Each step spends `max_num_batched_tokens` over at most `max_num_seqs` sequences: running ones
     first (decodes and unfinished prompt chunks), then waiting prompts. When blocks run out, the
-    newest running sequence is preempted (blocks freed, recomputed later)."""
+    newest running sequence is preempted (blocks freed, recomputed later).
+
+    Asynchronous scheduling: a running sequence whose last sampled token is still on the device is
+    scheduled for it (the runner feeds it from the device); a waiting one is not admitted until its
+    tokens are known, and one that has reached max_tokens is not scheduled again."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True) -> None:
@@ -43,9 +51,9 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence (finished or aborted) and free its blocks."""
-        if seq in self.running:
+        if seq.status == Status.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         self.bm.free(seq)
         seq.status = Status.FINISHED
@@ -63,6 +71,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0 or seq.done_generating:
+                i += 1
+                continue
             while not self.bm.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -75,16 +86,15 @@ class Scheduler:
                 i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # its last token is still on the device
             if not seq.block_ids:
                 seq.num_computed_tokens = seq.num_cached_tokens = self.bm.allocate_prefix(seq)
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget and not self.enable_chunked_prefill:
-                if scheduled:
-                    break
-                raise ValueError(f"prompt of {n} tokens exceeds max_num_batched_tokens "
-                                 f"({self.max_num_batched_tokens}) with chunked prefill off")
-            n = min(n, budget)
-            if not self.bm.allocate_slots(seq, n):
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            # Without chunking a prompt waits for a step with room for all of it (the budget holds
+            # max_model_len); and for blocks when the pool is short.
+            if (n < remaining and not self.enable_chunked_prefill) or not self.bm.allocate_slots(seq, n):
                 self.bm.free(seq)
                 break
             self.waiting.popleft()

@@ -17,8 +17,10 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    """vLLM-V1 style: `num_computed_tokens` of `tokens` are in the KV cache; the rest are computed
-    in chunks (prompt) or one per step (decode). A request with n > 1 owns n sequences."""
+    """vLLM-V1 style: `num_computed_tokens` of the sequence's tokens are in the KV cache; the rest are
+    computed in chunks (prompt) or one per step (decode). With asynchronous scheduling a sampled token
+    may still be on the device: `num_pending` counts those, and `num_tokens` includes them. A request
+    with n > 1 owns n sequences."""
 
     def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
                  seed: int, cache_salt: str | None = None) -> None:
@@ -33,27 +35,22 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.num_pending = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, in order
+        self.block_hashes: list[bytes] = []  # keys of this sequence's full blocks, in order
+        self.chain_uids: list[int] = []      # the cached block each full block's prefix resolves to (-1: none)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, float]] = []
-        self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[dict[int, float] | None] = []
-        self.text = ""
-        self.text_tokens = 0  # output tokens `text` was decoded from
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return len(self.tokens) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        """Output tokens, those still on the device included."""
+        return self.num_tokens - self.prompt_len
 
     @property
     def is_finished(self) -> bool:
@@ -62,3 +59,9 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.index == 0
+
+    @property
+    def done_generating(self) -> bool:
+        """Every token it may produce is known or in flight (max_tokens reached): nothing to schedule."""
+        p = self.params
+        return p.max_tokens is not None and self.num_output_tokens >= p.max_tokens

@@ -53,3 +53,12 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     num_processes = num_processes or int(os.environ["JAXINFRA_NUM_PROCESSES"])
     process_id = process_id if process_id is not None else int(os.environ["JAXINFRA_PROCESS_ID"])
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def tensor_parallel_mesh(size: int, num_kv_heads: int) -> Mesh:
+    """A serving mesh: one tensor-parallel group of the first `size` devices (KV heads split over it)."""
+    if size > len(jax.devices()):
+        raise ValueError(f"tensor_parallel_size {size} needs that many devices; {len(jax.devices())} available")
+    if num_kv_heads % size:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must be divisible by tensor_parallel_size ({size})")
+    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=size), jax.devices()[:size])

@@ -17,11 +17,12 @@ def model():
     return jaxinfra.load_model(PRESET)
 
 
+ENGINE_DEFAULTS = dict(model=PRESET, block_size=8, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                       num_gpu_blocks_override=64, compilation_cache_dir="")
+
+
 def engine(**kwargs) -> LLMEngine:
-    defaults = dict(model=PRESET, block_size=8, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                    num_gpu_blocks_override=64)
-    args = EngineArgs(**{**defaults, **kwargs})
-    return LLMEngine(model(), jaxinfra.load_tokenizer(PRESET), args)
+    return LLMEngine(model(), jaxinfra.load_tokenizer(PRESET), EngineArgs(**{**ENGINE_DEFAULTS, **kwargs}))
 
 
 def prompts(lengths, seed=0, vocab=256):

@@ -1,21 +1,50 @@
-"""Run the HTTP server in-process on a loopback port for tests."""
+"""Run the HTTP server in-process (its engine core in a child process) on a loopback port for tests."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
+import httpx
+
+from serve import EngineArgs
 from serve.api_server import build_app, serve_in_thread
-from serve_helpers import engine
+from serve.async_engine import AsyncEngine
+from serve_helpers import ENGINE_DEFAULTS
 
 MODEL_NAME = "tiny"
 
 
 @contextlib.contextmanager
 def running_server(api_key: str | None = None, max_queue: int = 64, request_timeout: float | None = 120,
+                   warmup: bool = False, restart_on_failure: bool = False,
                    **engine_kwargs) -> Iterator[tuple[str, object]]:
-    """Yields (base_url, app) with the engine loop and uvicorn running; stops both afterwards."""
-    app = build_app(engine(**engine_kwargs), model_name=MODEL_NAME, api_key=api_key, max_queue=max_queue,
+    """Yields (base_url, app) with the engine core and uvicorn running; stops both afterwards."""
+    engine = AsyncEngine(EngineArgs(**{**ENGINE_DEFAULTS, **engine_kwargs}), warmup=warmup,
+                         restart_on_failure=restart_on_failure)
+    app = build_app(engine, model_name=MODEL_NAME, api_key=api_key, max_queue=max_queue,
                     request_timeout=request_timeout)
     with serve_in_thread(app) as url:
         yield url, app
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of the server's Prometheus metrics (0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def eventually(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Wait for a condition with a deadline (never a fixed sleep before an assert)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True

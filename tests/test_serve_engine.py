@@ -42,7 +42,7 @@ def test_preemption_with_tiny_pool(expected):
     ps, _ = expected
     eng = engine(num_gpu_blocks_override=12, max_model_len=96)
     _check(run(eng, {0: [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]}), expected)
-    assert eng.scheduler.num_preemptions > 0
+    assert eng.core.scheduler.num_preemptions > 0
 
 
 def test_n_greater_than_one_shares_prompt_blocks(expected):
@@ -51,7 +51,7 @@ def test_n_greater_than_one_shares_prompt_blocks(expected):
     params = SamplingParams(n=3, temperature=0.0, max_tokens=12, ignore_eos=True)
     done = run(eng, {0: [(f"r{i}", p, params) for i, p in enumerate(ps)]})
     _check(done, expected, n=3)
-    assert eng.block_manager.prefix_hits >= 2 * (60 // 8) * 8  # siblings reused the 60-token prompt's blocks
+    assert eng.core.block_manager.prefix_hits >= 2 * (60 // 8) * 8  # siblings reused the 60-token prompt's blocks
 
 
 def test_prefix_cache_same_outputs_and_hits():
@@ -62,7 +62,7 @@ def test_prefix_cache_same_outputs_and_hits():
         eng = engine(enable_prefix_caching=caching)
         done = run(eng, {i: [(f"r{i}", p, GREEDY)] for i, p in enumerate(ps)})
         outs[caching] = [done[f"r{i}"].outputs[0].token_ids for i in range(len(ps))]
-        hits = eng.block_manager.prefix_hits
+        hits = eng.core.block_manager.prefix_hits
         assert (hits >= 3 * 48) if caching else hits == 0
         assert [done[f"r{i}"].num_cached_tokens for i in range(1, 4)] == ([48] * 3 if caching else [0] * 3)
     assert outs[True] == outs[False] == reference(ps, GREEDY.max_tokens)
@@ -70,12 +70,12 @@ def test_prefix_cache_same_outputs_and_hits():
 
 def test_no_recompilation_after_warmup():
     eng = engine(max_num_batched_tokens=32, max_num_seqs=8)
-    eng.runner.warmup()
-    compiled = eng.runner.num_compilations
+    eng.core.runner.warmup()
+    compiled = eng.core.runner.num_compilations
     mixed = {i: [(f"r{i}", p, SamplingParams(temperature=0.8 * (i % 2), max_tokens=5 + 3 * i, ignore_eos=True))]
              for i, p in enumerate(prompts([3, 30, 1, 12, 25, 7, 2, 19, 4, 8]))}
     run(eng, mixed)
-    assert eng.runner.num_compilations == compiled
+    assert eng.core.runner.num_compilations == compiled
 
 
 def test_randomized_workload_keeps_invariants():
@@ -92,14 +92,14 @@ def test_randomized_workload_keeps_invariants():
     while eng.has_unfinished_requests() or step <= 30:
         for rid, p, params in arrivals.get(step, []):
             eng.add_request(rid, p, params)
-        if step % 7 == 3 and eng.requests:
-            eng.abort_request(sorted(eng.requests)[0])
+        if step % 7 == 3 and eng.unfinished_request_ids():
+            eng.abort_request(sorted(eng.unfinished_request_ids())[0])
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out
         eng.check_invariants()
         step += 1
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_blocks
     assert len(done) > 10
 
 

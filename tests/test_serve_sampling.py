@@ -128,7 +128,7 @@ def test_async_engine_streams_and_aborts():
             if not eng.has_unfinished_requests():
                 break
         assert not eng.has_unfinished_requests()
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_blocks
         with pytest.raises(ValueError, match="max_model_len"):
             await ae.add_request("c", list(range(300)), SamplingParams())
 

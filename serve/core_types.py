@@ -1,0 +1,107 @@
+"""Messages between the frontend (tokenizer, detokenizer, HTTP) and the engine core, as msgspec
+structs: encoded with msgpack over the local socket (never pickle), passed as is in one process."""
+
+from __future__ import annotations
+
+import msgspec
+
+from serve.config import EngineArgs
+from serve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
+    """A request, already tokenized and validated by the frontend."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One position: log p(chosen token) and the top alternatives (ids, logprobs)."""
+
+    token: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one sequence (request_id, index) produced since its last output."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None      # "stop" | "length" | "abort" (set by the core)
+    stop_reason: int | None = None        # the stop token id
+    num_cached_tokens: int = 0            # first output only: prompt tokens found in the prefix cache
+    first_scheduled: float | None = None  # first output only: when the request was first scheduled
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # index 0's first output, if asked
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The core's gauges and counters after a step (vLLM's scheduler stats)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_blocks: int
+    num_compilations: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    utility: tuple[int, str | None, object] | None = None  # (call id, error message, result)
+    rejected: list[tuple[str, str]] = []  # (request id, why) the core refused
+
+
+class CoreLaunch(msgspec.Struct, array_like=True):
+    """What a core process is started with (on its stdin)."""
+
+    args: EngineArgs
+    eos_token_ids: list[int]
+    warmup: bool
+    input_addr: str
+    output_addr: str
+    ready_fd: int   # where it writes EngineCoreReady (or StartupError) once
+
+
+class StartupError(msgspec.Struct, array_like=True, tag=True):
+    message: str
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True, tag=True):
+    """Sent once by a core process when its model is loaded and warmed up."""
+
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class UtilityCall(msgspec.Struct, array_like=True, tag=True):
+    """A named call on the core (stats, invariant checks, cache reset), answered in EngineCoreOutputs."""
+
+    call_id: int
+    method: str
+    args: list[object] = []
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag=True):
+    """Drop whole requests, and single sequences (request id, index) that a stop string finished."""
+
+    request_ids: list[str]
+    sequences: list[tuple[str, int]] = []
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall
+CoreOutput = EngineCoreOutputs | EngineCoreReady

@@ -1,0 +1,283 @@
+"""EngineCore: the scheduler, KV block manager and model runner, stepped; token ids in, token ids out.
+
+It knows nothing of text: the frontend tokenizes, detokenizes and checks stop strings (and aborts a
+request here when one matches). The core checks what token ids decide: EOS, stop token ids,
+max_tokens, max_model_len. With async scheduling, step n+1 is scheduled and dispatched before the
+results of step n are read, so the host's work hides behind the device's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxinfra.models import LlamaModel
+from serve.config import EngineArgs
+from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprobs
+from serve.kv_cache import BlockManager
+from serve.runner import InFlight, ModelRunner, StepResult, num_blocks_for_memory
+from serve.sampling_params import MAX_BANNED_STOP_IDS
+from serve.scheduler import Scheduler, SchedulerOutput
+from serve.sequence import Sequence, Status
+
+DEFAULT_CPU_KV_MEMORY = 256 * 2**20
+
+
+@dataclasses.dataclass
+class CoreRequest:
+    request: EngineCoreRequest
+    seqs: list[Sequence]
+    pending: list[Sequence]        # siblings (n > 1) admitted once the first has prefilled the prompt
+    stop_ids: frozenset[int]
+    first_scheduled: float | None = None
+    started: set[int] = dataclasses.field(default_factory=set)  # sequences that sent an output
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(s.is_finished for s in self.seqs)
+
+
+def _logprobs(token: int, lp: float, ids: np.ndarray, lps: np.ndarray, k: int) -> TokenLogprobs:
+    return TokenLogprobs(int(token), float(lp), ids[:k].tolist(), lps[:k].tolist())
+
+
+class EngineCore:
+    def __init__(self, model: LlamaModel, args: EngineArgs, eos_token_ids: tuple[int, ...] = ()) -> None:
+        cfg = model.cfg
+        self.args = args
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
+        if budget < args.max_num_seqs and args.max_num_batched_tokens is not None:
+            raise ValueError(f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_num_seqs ({args.max_num_seqs})")
+        if budget < self.max_model_len and not args.enable_chunked_prefill:
+            raise ValueError(f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_model_len "
+                             f"({self.max_model_len}) when chunked prefill is off")
+        budget = max(budget, args.max_num_seqs)
+        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args)
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
+                             f"max_model_len ({self.max_model_len}); give it more memory or lower max_model_len")
+        self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget, args.enable_chunked_prefill)
+        self.runner = ModelRunner(model, block_size=args.block_size, num_blocks=num_blocks,
+                                  max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=budget, kv_cache_dtype=args.kv_cache_dtype,
+                                  eos_token_ids=self.eos_token_ids, tensor_parallel_size=args.tensor_parallel_size,
+                                  attn_impl=args.attn_impl, num_scheduler_steps=args.num_scheduler_steps)
+        self.requests: dict[str, CoreRequest] = {}
+        self.inflight: collections.deque[InFlight] = collections.deque()
+
+    @staticmethod
+    def _blocks_from_memory(model: LlamaModel, args: EngineArgs) -> int:
+        device = jax.devices()[0]
+        if device.platform == "gpu" and args.kv_cache_memory is None:
+            stats = device.memory_stats()
+            memory = int(stats["bytes_limit"] * args.gpu_memory_utilization) - stats["bytes_in_use"]
+        else:
+            memory = args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
+        return num_blocks_for_memory(model, args.block_size, args.kv_cache_dtype, memory)
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a tokenized request; anything that cannot run is refused here (ValueError)."""
+        ids = req.prompt_token_ids
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len "
+                             f"({self.max_model_len})")
+        p = req.params
+        if any(t >= self.vocab_size for t in p.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size})")
+        seqs = [Sequence(req.request_id, i, ids, p, req.seed, req.cache_salt) for i in range(p.n)]
+        self.requests[req.request_id] = CoreRequest(req, seqs, seqs[1:], frozenset(p.stop_token_ids))
+        self.scheduler.add(seqs[0])
+
+    def abort_requests(self, request_ids: list[str], sequences: list[tuple[str, int]] = ()) -> None:
+        """Stop requests, or single sequences of them, now and free their blocks (unknown or finished
+        ones are ignored)."""
+        for rid, index in [*((r, -1) for r in request_ids), *sequences]:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            for seq in req.seqs if index < 0 else req.seqs[index:index + 1]:
+                if seq in req.pending:
+                    req.pending.remove(seq)
+                    seq.status = Status.FINISHED
+                elif not seq.is_finished:
+                    self.scheduler.remove(seq)
+                seq.finish_reason = seq.finish_reason or "abort"
+            if req.finished:
+                del self.requests[rid]
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self.inflight)
+
+    # --- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule and dispatch the next step, then read the previous one's results (all of them
+        when scheduling is synchronous). Returns what each sequence produced."""
+        outputs: dict[tuple[str, int], EngineCoreOutput] = {}
+        if self.inflight and (self._must_sync() or not self.args.async_scheduling):
+            self._drain(outputs)
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            num_steps = self._decode_steps(sched)
+            batch = self.runner.prepare(sched, num_steps)
+            now = time.monotonic()
+            for (seq, n), samples in zip(sched.scheduled, batch.samples):
+                req = self.requests[seq.request_id]
+                req.first_scheduled = req.first_scheduled or now
+                if num_steps == 1:  # a decode loop's counts are known only from its results
+                    seq.num_computed_tokens += n
+                    seq.num_pending += int(samples)
+            self.inflight.append(self.runner.dispatch(batch))
+            keep = 1 if self.args.async_scheduling else 0
+        else:
+            keep = 0
+        while len(self.inflight) > keep:
+            self._process(self.inflight.popleft(), outputs)
+        return list(outputs.values())
+
+    def _must_sync(self) -> bool:
+        """Results must be read before scheduling: after a decode loop (counts unknown), and when a
+        running sequence with penalties needs its last token in the host-built history."""
+        return self.inflight[-1].batch.num_steps > 1 or any(
+            s.num_pending and s.params.uses_penalties for s in self.scheduler.running)
+
+    def _drain(self, outputs: dict[tuple[str, int], EngineCoreOutput]) -> None:
+        while self.inflight:
+            self._process(self.inflight.popleft(), outputs)
+
+    def _decode_steps(self, sched: SchedulerOutput) -> int:
+        """How many decode steps to run in one jitted loop: num_scheduler_steps when the batch is
+        decode-only, nothing waits, no sequence needs penalties, and the pool has the blocks."""
+        k = self.args.num_scheduler_steps
+        if k == 1 or not sched.decode_only or self.scheduler.waiting:
+            return 1
+        seqs = [s for s, _ in sched.scheduled]
+        if any(s.params.uses_penalties or len(s.params.stop_token_ids) > MAX_BANNED_STOP_IDS for s in seqs):
+            return 1
+        for s in seqs:
+            if not self.block_manager.allocate_slots(s, min(k, self.runner.budget(s))):
+                return 1
+        return k
+
+    def _process(self, inflight: InFlight, outputs: dict[tuple[str, int], EngineCoreOutput]) -> None:
+        res = inflight.fetch()
+        batch = inflight.batch
+        if batch.num_steps > 1:
+            for i, seq in enumerate(batch.seqs):
+                made = res.tokens[:, i]
+                made = made[made >= 0]
+                if seq.is_finished:
+                    continue
+                seq.num_computed_tokens += len(made)
+                for k, token in enumerate(made):
+                    lp = None if res.logprob is None else (res.logprob[k, i], res.top_ids[k, i], res.top_logprobs[k, i])
+                    if self._append(seq, int(token), lp, outputs):
+                        break
+                self.block_manager.cache_full_blocks(seq)
+            return
+        offset = 0
+        for i, seq in enumerate(batch.seqs):
+            n, start = int(batch.counts[i]), int(batch.starts[i])
+            if res.prompt_logprob is not None and seq.wants_prompt_logprobs:
+                self._collect_prompt_logprobs(seq, res, start, n, offset)
+            offset += n
+            if seq.is_finished:
+                continue
+            if batch.samples[i]:
+                seq.num_pending -= 1
+                lp = None if res.logprob is None else (res.logprob[i], res.top_ids[i], res.top_logprobs[i])
+                self._append(seq, int(res.tokens[i]), lp, outputs)
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, res: StepResult, start: int, n: int, offset: int) -> None:
+        k = seq.params.prompt_logprobs or 0
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs = [None]
+        for j in range(start, start + n):
+            if j + 1 >= seq.prompt_len or len(seq.prompt_logprobs) != j + 1:
+                continue  # past the prompt, or already collected before a preemption
+            row = offset + j - start
+            seq.prompt_logprobs.append(_logprobs(seq.tokens[j + 1], res.prompt_logprob[row],
+                                                 res.prompt_top_ids[row], res.prompt_top_logprobs[row], k))
+
+    def _append(self, seq: Sequence, token: int, lp: tuple | None,
+                outputs: dict[tuple[str, int], EngineCoreOutput]) -> bool:
+        """Add a sampled token, check the stop conditions; True if the sequence finished."""
+        seq.tokens.append(token)
+        req = self.requests[seq.request_id]
+        out = outputs.get((seq.request_id, seq.index))
+        if out is None:
+            out = outputs[(seq.request_id, seq.index)] = EngineCoreOutput(seq.request_id, seq.index, [])
+            if seq.index not in req.started:
+                req.started.add(seq.index)
+                out.num_cached_tokens, out.first_scheduled = seq.num_cached_tokens, req.first_scheduled
+                if seq.wants_prompt_logprobs:
+                    out.prompt_logprobs = seq.prompt_logprobs
+        out.new_token_ids.append(token)
+        if seq.params.logprobs is not None and lp is not None:
+            out.new_logprobs = out.new_logprobs or []
+            out.new_logprobs.append(_logprobs(token, *lp, seq.params.logprobs))
+        if seq.index == 0 and req.pending:
+            for sib in reversed(req.pending):
+                self.scheduler.add(sib, front=True)
+            req.pending = []
+        self._check_stop(seq, token, req)
+        if seq.finish_reason is None:
+            return False
+        out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+        self.scheduler.remove(seq)
+        if req.finished:
+            del self.requests[seq.request_id]
+        return True
+
+    def _check_stop(self, seq: Sequence, token: int, req: CoreRequest) -> None:
+        p = seq.params
+        produced = len(seq.tokens) - seq.prompt_len
+        if produced >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if token in req.stop_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+        if (p.max_tokens is not None and produced >= p.max_tokens) or len(seq.tokens) >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    # --- introspection ----------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
+                              bm.prefix_hits, self.scheduler.num_preemptions, bm.num_free_blocks, bm.num_blocks,
+                              self.runner.num_compilations)
+
+    def check_invariants(self) -> None:
+        self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
+        if not self.requests and not self.inflight:
+            assert self.block_manager.num_free_blocks == self.block_manager.num_blocks, "idle engine holds blocks"
+
+    def utility(self, method: str, args: list[Any]) -> Any:
+        """The calls a frontend may make on a core process."""
+        calls = {"stats": lambda: self.stats(), "check_invariants": self.check_invariants,
+                 "reset_prefix_cache": self.block_manager.reset_prefix_cache}
+        if method not in calls:
+            raise ValueError(f"unknown utility call {method!r}")
+        return calls[method](*args)

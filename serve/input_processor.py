@@ -1,0 +1,62 @@
+"""Input processor: checks and tokenizes a request into what the engine core runs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxinfra.tokenizer import Tokenizer
+from serve.core_types import EngineCoreRequest
+from serve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class InputProcessor:
+    """Everything a request can get wrong is found here, as a ValueError naming it, before any of it
+    reaches the engine core or the device."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.rng = np.random.default_rng(seed)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate
+                raise ValueError(f"prompt is not valid text: {e}") from e
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                       for t in ids):
+                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+            ids = [int(t) for t in ids]
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def process(self, request_id: str, prompt: Prompt | list[int], params: SamplingParams, *,
+                cache_salt: str | None = None, arrival_time: float | None = None,
+                prompt_token_ids: list[int] | None = None) -> EngineCoreRequest:
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len "
+                             f"({self.max_model_len})")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, {self.vocab_size})")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        seed = params.device_seed
+        if seed is None:
+            seed = int(self.rng.integers(2**31 - 1))
+        return EngineCoreRequest(request_id, ids, params, seed,
+                                 time.monotonic() if arrival_time is None else arrival_time, cache_salt)

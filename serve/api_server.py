@@ -181,7 +181,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     state = ServerState(engine, model_name, api_key, max_queue, request_timeout, metrics)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(application: FastAPI):
+        application.state.loop = asyncio.get_running_loop()  # for callers on other threads (tests)
         yield
         engine.shutdown()
 

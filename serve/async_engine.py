@@ -14,6 +14,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from jaxinfra.loading import load_tokenizer
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
@@ -126,7 +128,8 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._calls[msg.call_id] = future
         await self.core.send(msg)
-        return await future
+        result = await future
+        return msgspec.convert(result, SchedulerStats) if method == "stats" else result
 
     # --- outputs ----------------------------------------------------------------------------------
     async def _output_loop(self) -> None:

@@ -48,3 +48,15 @@ def eventually(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
             return False
         time.sleep(interval)
     return True
+
+
+def call(app, method: str, *args):
+    """A utility call on the server's engine core, from the test thread."""
+    import asyncio
+
+    engine = app.state.server.engine
+    return asyncio.run_coroutine_threadsafe(engine.call(method, *args), app.state.loop).result(timeout=30)
+
+
+def core_stats(app):
+    return call(app, "stats")

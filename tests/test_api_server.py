@@ -6,9 +6,8 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import MODEL_NAME, running_server
+from server_helpers import MODEL_NAME, call, core_stats, eventually, metric, running_server
 
 
 @pytest.fixture(scope="module")
@@ -101,44 +100,35 @@ def test_bad_chat_requests_and_malformed_json(server):
 
 def test_metrics_parse_and_add_up(server, client):
     url = server[0]
-
-    def sample(name, **labels):
-        text = httpx.get(f"{url}/metrics").text
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
-        return 0.0
-
-    before = {k: sample(k) for k in ("jaxinfra:prompt_tokens_total", "jaxinfra:generation_tokens_total",
-                                     "jaxinfra:time_to_first_token_seconds_count")}
-    stops = sample("jaxinfra:request_success_total", finished_reason="length")
+    names = ("jaxinfra:prompt_tokens_total", "jaxinfra:generation_tokens_total",
+             "jaxinfra:time_to_first_token_seconds_count", "jaxinfra:e2e_request_latency_seconds_count")
+    before = {k: metric(url, k) for k in names}
+    lengths = metric(url, "jaxinfra:request_success_total", finished_reason="length")
     usage = [client.completions.create(model=MODEL_NAME, prompt=[5] * (3 + i), max_tokens=4 + i, temperature=0).usage
              for i in range(3)]
-    time.sleep(0.3)
-    assert sample("jaxinfra:prompt_tokens_total") - before["jaxinfra:prompt_tokens_total"] == sum(u.prompt_tokens for u in usage)
-    assert sample("jaxinfra:generation_tokens_total") - before["jaxinfra:generation_tokens_total"] == \
-        sum(u.completion_tokens for u in usage)
-    assert sample("jaxinfra:time_to_first_token_seconds_count") - before["jaxinfra:time_to_first_token_seconds_count"] == 3
-    assert sample("jaxinfra:request_success_total", finished_reason="length") - stops == 3
-    assert sample("jaxinfra:num_requests_running") == 0 and sample("jaxinfra:kv_cache_usage_perc") == 0
+    assert metric(url, names[0]) - before[names[0]] == sum(u.prompt_tokens for u in usage)
+    assert metric(url, names[1]) - before[names[1]] == sum(u.completion_tokens for u in usage)
+    assert metric(url, names[2]) - before[names[2]] == 3 and metric(url, names[3]) - before[names[3]] == 3
+    assert metric(url, "jaxinfra:request_success_total", finished_reason="length") - lengths == 3
+    assert eventually(lambda: metric(url, "jaxinfra:num_requests_running") == 0
+                      and metric(url, "jaxinfra:kv_cache_usage_perc") == 0)
 
 
-def test_disconnect_frees_blocks(server):
-    url, app = server
-    eng = app.state.server.engine.engine
-    body = {"model": MODEL_NAME, "prompt": "tell me a long story", "max_tokens": 100, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i >= 4:
-                break
-        assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks
-    deadline = time.time() + 1.0
-    while eng.block_manager.num_free_blocks != eng.block_manager.num_blocks and time.time() < deadline:
-        time.sleep(0.02)
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    assert not eng.has_unfinished_requests()
+def test_disconnect_aborts_and_frees_blocks():
+    with running_server(max_model_len=2048, max_num_seqs=2, max_num_batched_tokens=64,
+                        num_gpu_blocks_override=300) as (url, app):
+        body = {"model": MODEL_NAME, "prompt": "tell me a long story", "max_tokens": 2000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # not closed until the `with` ends (closing it would disconnect)
+            for _ in range(4):
+                next(lines)
+            stats = core_stats(app)
+            assert stats.num_running == 1 and stats.num_free_blocks < 300
+        assert eventually(lambda: core_stats(app).num_free_blocks == 300)
+        assert core_stats(app).num_running == core_stats(app).num_waiting == 0
+        assert eventually(lambda: metric(url, "jaxinfra:request_success_total", finished_reason="abort") == 1)
+        assert metric(url, "jaxinfra:generation_tokens_total") < 2000
 
 
 def test_api_key():
@@ -185,9 +175,5 @@ def test_soak_concurrent_streams_with_drops():
         s = summarize(results, seconds)
         assert s["server_errors"] == 0 and s["malformed"] == 0 and s["statuses"] == {"200": 200}
         assert s["completed"] + s["dropped"] == 200 and s["dropped"] > 10
-        eng = app.state.server.engine.engine
-        deadline = time.time() + 5
-        while eng.has_unfinished_requests() and time.time() < deadline:
-            time.sleep(0.05)
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-        eng.block_manager.check_invariants([])
+        assert eventually(lambda: core_stats(app).num_free_blocks == core_stats(app).num_blocks)
+        call(app, "check_invariants")

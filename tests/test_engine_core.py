@@ -1,0 +1,142 @@
+"""The engine core's loop: async scheduling and the jitted decode loop change no output, no request
+option compiles anything after warm-up, and the prefix cache never shares KV between different prompts."""
+
+import numpy as np
+import pytest
+
+import serve.kv_cache
+from serve import LLM, SamplingParams
+from serve.kv_cache import BlockManager
+from serve.sequence import Sequence
+from serve_helpers import GREEDY, engine, prompts, reference, run
+
+LENGTHS = (5, 40, 17, 3, 60, 9)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    ps = prompts(LENGTHS)
+    return ps, reference(ps, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(async_scheduling=False),
+    dict(async_scheduling=True),
+    dict(num_scheduler_steps=4),
+    dict(num_scheduler_steps=8, max_num_batched_tokens=16, max_num_seqs=4),  # chunked prefill + loops
+    dict(num_scheduler_steps=4, num_gpu_blocks_override=12, max_model_len=96),  # preemption + loops
+], ids=["sync", "async", "loop4", "loop8-chunked", "loop4-preempt"])
+def test_greedy_outputs_identical_under_async_and_decode_loops(expected, kwargs):
+    ps, ref = expected
+    eng = engine(**kwargs)
+    preempt = "max_model_len" in kwargs  # all at once into a pool too small for them
+    arrivals = ({0: [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]} if preempt
+                else {2 * i: [(f"r{i}", p, GREEDY)] for i, p in enumerate(ps)})
+    done = run(eng, arrivals)
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(ps))] == ref
+    if preempt:
+        assert eng.core.scheduler.num_preemptions > 0
+
+
+def test_decode_loop_stops_where_single_steps_stop(expected):
+    """Stop ids, EOS after min_tokens, max_tokens and logprobs inside a decode loop match single steps."""
+    ps, ref = expected
+    stop_at = [r[5] for r in ref]
+    items = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4 + i, stop_token_ids=[stop_at[i]] if i % 2 else [],
+                                         min_tokens=i % 3, logprobs=2, ignore_eos=i % 2 == 0))
+             for i, p in enumerate(ps)]
+    outs = {}
+    for steps in (1, 8):
+        done = run(engine(num_scheduler_steps=steps), {0: items})
+        outs[steps] = [done[f"r{i}"].outputs[0] for i in range(len(ps))]
+    for one, loop in zip(outs[1], outs[8]):
+        assert (one.token_ids, one.finish_reason, one.stop_reason) == (loop.token_ids, loop.finish_reason,
+                                                                      loop.stop_reason)
+        for a, b in zip(one.logprobs, loop.logprobs, strict=True):  # other shapes: other rounding
+            assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-5)
+    assert {o.finish_reason for o in outs[8]} == {"stop", "length"}
+
+
+def test_mixed_workload_compiles_nothing_after_warmup():
+    """200 requests with every option (logprobs 0-20, prompt logprobs, penalties, min_tokens with stop
+    ids, n, seeds, filters, stop strings), arriving over time: no compilation after warm-up."""
+    eng = engine(max_num_batched_tokens=32, num_scheduler_steps=4)
+    eng.core.runner.warmup()
+    compiled = eng.core.runner.num_compilations
+    rng = np.random.default_rng(7)
+    arrivals: dict[int, list] = {}
+    for i in range(200):
+        p = prompts([int(rng.integers(1, 48))], seed=1000 + i)[0]
+        params = SamplingParams(
+            n=int(rng.choice([1, 1, 2, 3])), temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_k=int(rng.choice([0, 1, 5, 100, 600])), top_p=float(rng.choice([1.0, 0.9])),
+            min_p=float(rng.choice([0.0, 0.05])), seed=int(rng.integers(0, 2**40)) if rng.random() < 0.5 else None,
+            logprobs=int(rng.integers(0, 21)) if rng.random() < 0.4 else None,
+            prompt_logprobs=int(rng.integers(0, 21)) if rng.random() < 0.15 else None,
+            presence_penalty=float(rng.choice([0.0, 0.5])), frequency_penalty=float(rng.choice([0.0, 0.3])),
+            repetition_penalty=float(rng.choice([1.0, 1.2])), min_tokens=int(rng.integers(0, 4)),
+            stop_token_ids=rng.integers(0, 512, int(rng.integers(0, 4))).tolist(),
+            stop=["ab"] if rng.random() < 0.1 else None, ignore_eos=bool(rng.random() < 0.5),
+            max_tokens=int(rng.integers(4, 20)))
+        arrivals.setdefault(int(rng.integers(0, 120)), []).append((f"m{i}", p, params))
+    done = run(eng, arrivals)
+    assert len(done) == 200
+    assert eng.core.runner.num_compilations == compiled
+
+
+def test_llm_generate_leaves_nothing_queued_after_a_rejected_prompt():
+    llm = LLM("tiny-qwen3", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=2**21,
+              block_size=8, compilation_cache_dir="")
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
+
+
+def _seq(tokens, salt=None):
+    return Sequence("r", 0, tokens, GREEDY, 0, salt)
+
+
+def _computed(bm: BlockManager, seq: Sequence) -> Sequence:
+    seq.num_computed_tokens = bm.allocate_prefix(seq)
+    assert bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+    return seq
+
+
+def test_prefix_keys_are_sha256_and_salted():
+    key = serve.kv_cache.block_hash(None, (1, 2, 3, 4), None)
+    assert len(key) == 32 and key == serve.kv_cache.block_hash(None, (1, 2, 3, 4), None)
+    assert key != serve.kv_cache.block_hash(None, (1, 2, 3, 4), "tenant-a")
+    assert serve.kv_cache.block_hash(key, (5, 6, 7, 8), None) != serve.kv_cache.block_hash(None, (5, 6, 7, 8), None)
+
+
+def test_colliding_keys_never_share_blocks(monkeypatch):
+    """With every key equal, a hit must still match the block's tokens, salt and parent."""
+    monkeypatch.setattr(serve.kv_cache, "block_hash", lambda parent, tokens, salt: b"same")
+    bm = BlockManager(32, 4)
+    a = _computed(bm, _seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    for tokens, salt, hit in [([9, 9, 9, 9, 5, 6, 7, 8, 1], None, 0),  # another first block
+                              ([1, 2, 3, 4, 1, 2, 3, 4, 1], None, 1),  # block 2 holds block 1's tokens
+                              ([1, 2, 3, 4, 5, 6, 7, 8, 1], "b", 0)]:  # another tenant
+        other = _seq(tokens, salt)
+        assert bm.allocate_prefix(other) == 4 * hit, (tokens, salt)
+        assert other.block_ids == a.block_ids[:hit]
+        bm.free(other)
+    same = _seq([1, 2, 3, 4, 5, 6, 7, 8, 2])
+    assert bm.allocate_prefix(same) == 4 and same.block_ids == a.block_ids[:1]  # only block 1 is keyed "same"
+    bm.check_invariants([a, same])
+
+
+def test_a_hit_needs_the_same_parent(monkeypatch):
+    """Keys that ignore the parent (a collision on every block after the first): a block is still
+    only shared after the very block its KV was computed behind."""
+    monkeypatch.setattr(serve.kv_cache, "block_hash", lambda parent, tokens, salt: bytes(tokens))
+    bm = BlockManager(32, 2)
+    a = _computed(bm, _seq([1, 2, 3, 4, 9]))
+    y = _computed(bm, _seq([5, 6, 3, 4, 9]))       # its [3, 4] block is not keyed: the key is taken
+    z = _seq([5, 6, 3, 4, 8])
+    assert bm.allocate_prefix(z) == 2 and z.block_ids == y.block_ids[:1]  # [5, 6] only, never a's [3, 4]
+    bm.check_invariants([a, y, z])

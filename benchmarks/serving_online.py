@@ -157,14 +157,22 @@ def print_summary(s: dict, label: str = "") -> None:
 
 @contextlib.contextmanager
 def local_server(model: str, **engine_kwargs):
-    """Our server on a free loopback port, in this process; yields (url, engine)."""
-    from serve import EngineArgs, LLMEngine
+    """Our server on a free loopback port (its engine core in a child process); yields (url, engine)."""
+    from serve import EngineArgs
     from serve.api_server import build_app, serve_in_thread
+    from serve.async_engine import AsyncEngine
 
-    eng = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs))
-    eng.runner.warmup()
-    with serve_in_thread(build_app(eng, model_name=model, max_queue=4096)) as url:
-        yield url, eng
+    engine = AsyncEngine(EngineArgs(model=model, **engine_kwargs))
+    with serve_in_thread(build_app(engine, model_name=model, max_queue=4096)) as url:
+        yield url, engine
+
+
+def pool_whole(url: str) -> bool:
+    """Whether every KV block is free again (from the server's metrics)."""
+    import httpx
+
+    return any(line.startswith("jaxinfra:kv_cache_usage_perc") and float(line.split()[-1]) == 0.0
+               for line in httpx.get(f"{url}/metrics").text.splitlines())
 
 
 def main() -> None:
@@ -200,8 +208,10 @@ def main() -> None:
             s = summarize(results, seconds)
             s["rate"] = rate
             if eng is not None:
-                time.sleep(0.5)
-                s["pool_whole"] = eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+                deadline = time.monotonic() + 5
+                while not pool_whole(url) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                s["pool_whole"] = pool_whole(url)
             summaries.append(s)
             print_summary(s, f"[rate {rate:g}/s {args.arrival}] ")
             if "pool_whole" in s:

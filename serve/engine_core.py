@@ -76,6 +76,7 @@ class EngineCore:
                                   attn_impl=args.attn_impl, num_scheduler_steps=args.num_scheduler_steps)
         self.requests: dict[str, CoreRequest] = {}
         self.inflight: collections.deque[InFlight] = collections.deque()
+        self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
 
     @staticmethod
     def _blocks_from_memory(model: LlamaModel, args: EngineArgs) -> int:
@@ -131,6 +132,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and dispatch the next step, then read the previous one's results (all of them
         when scheduling is synchronous). Returns what each sequence produced."""
+        start = time.perf_counter()
+        self.step_wait = 0.0
         outputs: dict[tuple[str, int], EngineCoreOutput] = {}
         if self.inflight and (self._must_sync() or not self.args.async_scheduling):
             self._drain(outputs)
@@ -145,12 +148,15 @@ class EngineCore:
                 if num_steps == 1:  # a decode loop's counts are known only from its results
                     seq.num_computed_tokens += n
                     seq.num_pending += int(samples)
+                    # Key the blocks this step fills now: any step that reads them runs after it.
+                    self.block_manager.cache_full_blocks(seq)
             self.inflight.append(self.runner.dispatch(batch))
             keep = 1 if self.args.async_scheduling else 0
         else:
             keep = 0
         while len(self.inflight) > keep:
             self._process(self.inflight.popleft(), outputs)
+        self.step_time = time.perf_counter() - start
         return list(outputs.values())
 
     def _must_sync(self) -> bool:
@@ -178,6 +184,9 @@ class EngineCore:
         return k
 
     def _process(self, inflight: InFlight, outputs: dict[tuple[str, int], EngineCoreOutput]) -> None:
+        t0 = time.perf_counter()
+        inflight.wait()
+        self.step_wait += time.perf_counter() - t0
         res = inflight.fetch()
         batch = inflight.batch
         if batch.num_steps > 1:

@@ -92,6 +92,10 @@ class InFlight:
     out: SamplerOutput
     prompt: tuple[jax.Array, jax.Array, jax.Array]
 
+    def wait(self) -> None:
+        """Block until the device has finished the step."""
+        jax.block_until_ready(self.out.tokens)
+
     def fetch(self) -> StepResult:
         want_lp = any(s.params.logprobs is not None for s in self.batch.seqs)
         arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]

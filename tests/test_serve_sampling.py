@@ -1,14 +1,15 @@
 """Per-request sampling in the engine: seeds, filters, penalties, stops, logprobs."""
 
 import asyncio
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
-from serve import LLM, SamplingParams
+from serve import LLM, EngineArgs, SamplingParams
 from serve.async_engine import AsyncEngine
-from serve_helpers import engine, prompts, run
+from serve_helpers import ENGINE_DEFAULTS, engine, prompts, run
 
 P = prompts([6, 20, 3, 14], seed=21)
 
@@ -92,11 +93,25 @@ def test_penalties_change_sampling():
     assert out != base and len(set(out)) > len(set(base))
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_k", -5), ("n", 0),
-                                         ("max_tokens", 0), ("logprobs", 50), ("min_p", 2), ("stop", [3])])
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("temperature", float("nan")), ("top_p", 0), ("top_k", -5), ("top_k", 2**31), ("n", 0),
+    ("n", True), ("max_tokens", 0), ("max_tokens", 2**31), ("logprobs", 50), ("prompt_logprobs", -1), ("min_p", 2),
+    ("stop", [3]), ("stop_token_ids", [-1]), ("stop_token_ids", [2**31]), ("seed", 2**63), ("seed", 1.5),
+    ("min_tokens", -1), ("presence_penalty", 3), ("repetition_penalty", 0), ("ignore_eos", 1),
+    ("output_kind", "streaming")])
 def test_bad_sampling_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_sampling_params_cross_field_checks():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(min_tokens=1, stop_token_ids=list(range(40)))
+    assert SamplingParams(stop_token_ids=list(range(40))).stop_token_ids == list(range(40))  # no min_tokens
+    assert SamplingParams(seed=2**63 - 1).device_seed == SamplingParams(seed=2**63 - 1).device_seed < 2**31
+    assert SamplingParams(seed=-1).device_seed >= 0 and SamplingParams(top_k=-1).top_k == 0
 
 
 def test_llm_generate_and_chat():
@@ -110,27 +125,31 @@ def test_llm_generate_and_chat():
 
 
 def test_async_engine_streams_and_aborts():
-    eng = engine()
-    ae = AsyncEngine(eng)
+    """The frontend over a core process: delta outputs add up to the whole answer; closing a stream
+    aborts its request and frees its blocks; bad input is refused before anything is queued."""
+    ae = AsyncEngine(EngineArgs(**ENGINE_DEFAULTS), warmup=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def main():
-        stream = await ae.add_request("a", P[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        seen = [out async for out in stream]
-        assert seen[-1].finished and len(seen[-1].outputs[0].token_ids) == 8
-        assert [len(o.outputs[0].token_ids) for o in seen] == sorted(len(o.outputs[0].token_ids) for o in seen)
-        long = await ae.add_request("b", P[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        whole = [out async for out in await ae.add_request("a", P[1], greedy)][-1].outputs[0]
+        deltas = [out async for out in await ae.add_request("b", P[1], dataclasses.replace(greedy, output_kind="delta"))]
+        assert deltas[-1].finished and sum((d.outputs[0].token_ids for d in deltas), []) == whole.token_ids
+        assert "".join(d.outputs[0].text for d in deltas) == whole.text
+        long = await ae.add_request("c", P[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
         async for out in long:
             if len(out.outputs[0].token_ids) >= 3:
                 break
         await long.aclose()  # consumer gone: the request is aborted and its blocks freed
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if not eng.has_unfinished_requests():
+        for _ in range(200):
+            stats = await ae.call("stats")
+            if stats.num_free_blocks == stats.num_blocks:
                 break
-        assert not eng.has_unfinished_requests()
-        assert eng.core.block_manager.num_free_blocks == eng.core.block_manager.num_blocks
+            await asyncio.sleep(0.02)
+        assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+        await ae.call("check_invariants")
         with pytest.raises(ValueError, match="max_model_len"):
-            await ae.add_request("c", list(range(300)), SamplingParams())
+            await ae.add_request("d", list(range(300)), SamplingParams())
+        assert not ae.streams and not ae.output_processor.requests
 
     try:
         asyncio.run(main())

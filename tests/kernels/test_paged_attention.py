@@ -8,7 +8,9 @@ import pytest
 from pallas_kernels import PagedKVCache, quantize
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
+from pallas_kernels.paged_tiles import tile_plan
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla, tile_tokens
 
 D = 32
 
@@ -101,6 +103,59 @@ def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window):
     assert float(jnp.abs(ours[sum(q_lens):]).max()) == 0.0
 
 
+@pytest.mark.parametrize("bs,h,kh,dtype,window,softcap", [
+    (8, 4, 4, "float32", None, None),
+    (16, 8, 2, "bfloat16", None, None),
+    (16, 8, 1, "int8", None, None),
+    (8, 8, 2, "float32", 11, None),
+    (8, 6, 2, "float32", None, 5.0),   # GQA 3
+])
+@pytest.mark.parametrize("host_plan", [False, True])
+def test_xla_ragged_matches_reference(bs, h, kh, dtype, window, softcap, host_plan):
+    """The XLA formulation (CPU serving path) on poisoned pools: decodes, whole prompts, chunks, padding."""
+    q_lens = [1, 9, 1, 30, 0]
+    kv_lens = [13, 9, 70, 45, 0]
+    pool = Pool(kv_lens, bs, kh, dtype, seed=2)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    n = sum(q_lens) + 7
+    q = jax.random.normal(jax.random.key(3), (n, h, D), _qdtype(dtype))
+    args = (pool.block_tables, jnp.asarray(cu), pool.kv_lens)
+    scales = {k: v for k, v in pool.poisoned.items() if "scales" in k}
+    plan = tile_plan(cu, np.asarray(kv_lens, np.int32), np.asarray(pool.block_tables), bs, n,
+                     tile_tokens(n, n), np) if host_plan else None
+    ours = ragged_paged_attention_xla(q, pool.poisoned["k_pool"], pool.poisoned["v_pool"], *args, sliding_window=window,
+                                      logit_softcap=softcap, plan=plan, **scales)
+    ref = ragged_paged_attention_reference(q, pool.clean["k_pool"], pool.clean["v_pool"], *args,
+                                           sliding_window=window, logit_softcap=softcap,
+                                           **{k: v for k, v in pool.clean.items() if "scales" in k})
+    assert not np.isnan(np.asarray(ours, np.float32)).any()
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
+    assert float(jnp.abs(ours[sum(q_lens):]).max()) == 0.0
+
+
+@pytest.mark.parametrize("lens,seqs,tokens", [([1, 1, 1], 5, 1), ([3, 0, 17, 1, 8], 6, 4), ([64], 2, 16),
+                                              ([0, 0], 3, 4), ([5, 5, 5, 5], 4, 2)])
+def test_tile_plan_host_equals_device(lens, seqs, tokens):
+    """tile_plan is one piece of code for numpy (host) and jax.numpy (traced): same plan either way, every
+    token in exactly one tile row, rows in order, no tile more than needed."""
+    cu = np.zeros(seqs + 1, np.int32)
+    cu[1:len(lens) + 1] = np.cumsum(lens)
+    cu[len(lens) + 1:] = cu[len(lens)]
+    rng = np.random.default_rng(0)
+    kv = np.zeros(seqs, np.int32)
+    kv[:len(lens)] = np.asarray(lens) + rng.integers(0, 20, len(lens))
+    tables = rng.integers(0, 50, (seqs, 6)).astype(np.int32)
+    n = int(cu[-1]) + 3
+    host = tile_plan(cu, kv, tables, 8, n, tokens, np)
+    dev = jax.jit(lambda c, k, t: tile_plan(c, k, t, 8, n, tokens))(cu, kv, tables)
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(dev)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    flat = host.q_index.reshape(-1)
+    assert sorted(flat[flat >= 0].tolist()) == list(range(int(cu[-1])))
+    assert (host.out_index[:int(cu[-1])] >= 0).all() and (host.out_index[int(cu[-1]):] == -1).all()
+    assert (flat[host.out_index[:int(cu[-1])]] == np.arange(int(cu[-1]))).all()
+
+
 def test_padding_does_not_change_real_outputs():
     pool = Pool([20, 5, 0, 0], 8, 2, "float32", seed=4)
     q = jax.random.normal(jax.random.key(5), (12, 4, D))
@@ -158,9 +213,15 @@ def test_dispatcher_decode_and_ragged_entries():
     pool = Pool([9, 30], 8, 2, "float32", seed=8)
     cache = PagedKVCache(pool.clean["k_pool"], pool.clean["v_pool"])
     q = jax.random.normal(jax.random.key(9), (2, 4, D))
-    got = {impl: dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl=impl) for impl in ("pallas", "reference")}
+    got = {impl: dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl=impl)
+           for impl in ("pallas", "xla", "reference")}
     np.testing.assert_allclose(got["pallas"], got["reference"], atol=1e-5)
-    meta = PagedMetadata(jnp.full((2,), -1), pool.block_tables, jnp.asarray([0, 1, 2]), pool.kv_lens, max_q_len=1)
+    np.testing.assert_allclose(got["xla"], got["reference"], atol=1e-5)
+    cu = jnp.asarray([0, 1, 2])
+    meta = PagedMetadata(jnp.full((2,), -1), pool.block_tables, cu, pool.kv_lens, max_q_len=1)
     np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), got["reference"], atol=1e-5)
+    planned = PagedMetadata(meta.slot_mapping, meta.block_tables, cu, meta.kv_lens, 1,
+                            tile_plan(np.asarray(cu), np.asarray(pool.kv_lens), np.asarray(pool.block_tables), 8, 2, 1, np))
+    np.testing.assert_allclose(dispatch_ragged(q, cache, planned, impl="xla"), got["reference"], atol=1e-5)
     with pytest.raises(ValueError, match="paged attention impl"):
-        dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl="xla")
+        dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl="cudnn")

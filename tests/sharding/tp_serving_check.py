@@ -28,7 +28,7 @@ for tp in (1, 8):
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     if tp > 1:
-        k = eng.runner.caches[0].k
+        k = eng.core.runner.caches[0].k
         assert len(k.sharding.device_set) == 8 and k.addressable_shards[0].data.shape[2] == 1, k.sharding
     outs[tp] = [done[f"r{i}"] for i in range(len(prompts))]
 ref = jaxinfra.generate(model, prompts, jaxinfra.GenerationConfig(max_new_tokens=12, stop_at_eos=False))

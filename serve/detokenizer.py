@@ -37,8 +37,10 @@ class IncrementalDetokenizer:
                 piece = None
             if not piece:
                 continue
-            before = len(self.text)
-            self.text += piece
+            text, self.text = self.text, ""
+            before = len(text)
+            text += piece  # the only reference: CPython grows the string in place (O(new text))
+            self.text = text
             if self.stop and self.num_tokens >= self.min_tokens and self._find_stop(before):
                 return j
         return None

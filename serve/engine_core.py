@@ -33,9 +33,7 @@ class CoreRequest:
     request: EngineCoreRequest
     seqs: list[Sequence]
     pending: list[Sequence]        # siblings (n > 1) admitted once the first has prefilled the prompt
-    stop_ids: frozenset[int]
     first_scheduled: float | None = None
-    started: set[int] = dataclasses.field(default_factory=set)  # sequences that sent an output
 
     @property
     def finished(self) -> bool:
@@ -67,6 +65,7 @@ class EngineCore:
             raise ValueError(f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
                              f"max_model_len ({self.max_model_len}); give it more memory or lower max_model_len")
         self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
+        self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget, args.enable_chunked_prefill)
         self.runner = ModelRunner(model, block_size=args.block_size, num_blocks=num_blocks,
@@ -105,7 +104,7 @@ class EngineCore:
         if any(t >= self.vocab_size for t in p.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size})")
         seqs = [Sequence(req.request_id, i, ids, p, req.seed, req.cache_salt) for i in range(p.n)]
-        self.requests[req.request_id] = CoreRequest(req, seqs, seqs[1:], frozenset(p.stop_token_ids))
+        self.requests[req.request_id] = CoreRequest(req, seqs, seqs[1:])
         self.scheduler.add(seqs[0])
 
     def abort_requests(self, request_ids: list[str], sequences: list[tuple[str, int]] = ()) -> None:
@@ -121,6 +120,7 @@ class EngineCore:
                     seq.status = Status.FINISHED
                 elif not seq.is_finished:
                     self.scheduler.remove(seq)
+                    self.runner.release(seq)
                 seq.finish_reason = seq.finish_reason or "abort"
             if req.finished:
                 del self.requests[rid]
@@ -134,10 +134,12 @@ class EngineCore:
         when scheduling is synchronous). Returns what each sequence produced."""
         start = time.perf_counter()
         self.step_wait = 0.0
-        outputs: dict[tuple[str, int], EngineCoreOutput] = {}
+        outputs: dict[Sequence, EngineCoreOutput] = {}
         if self.inflight and (self._must_sync() or not self.args.async_scheduling):
             self._drain(outputs)
         sched = self.scheduler.schedule()
+        for victim in sched.preempted:
+            self.runner.release(victim)
         if sched.scheduled:
             num_steps = self._decode_steps(sched)
             batch = self.runner.prepare(sched, num_steps)
@@ -165,7 +167,7 @@ class EngineCore:
         return self.inflight[-1].batch.num_steps > 1 or any(
             s.num_pending and s.params.uses_penalties for s in self.scheduler.running)
 
-    def _drain(self, outputs: dict[tuple[str, int], EngineCoreOutput]) -> None:
+    def _drain(self, outputs: dict[Sequence, EngineCoreOutput]) -> None:
         while self.inflight:
             self._process(self.inflight.popleft(), outputs)
 
@@ -183,38 +185,43 @@ class EngineCore:
                 return 1
         return k
 
-    def _process(self, inflight: InFlight, outputs: dict[tuple[str, int], EngineCoreOutput]) -> None:
+    def _process(self, inflight: InFlight, outputs: dict[Sequence, EngineCoreOutput]) -> None:
         t0 = time.perf_counter()
         inflight.wait()
         self.step_wait += time.perf_counter() - t0
         res = inflight.fetch()
         batch = inflight.batch
+        bs = self.block_manager.block_size
         if batch.num_steps > 1:
             for i, seq in enumerate(batch.seqs):
                 made = res.tokens[:, i]
-                made = made[made >= 0]
+                made = made[made >= 0].tolist()
                 if seq.is_finished:
                     continue
                 seq.num_computed_tokens += len(made)
                 for k, token in enumerate(made):
                     lp = None if res.logprob is None else (res.logprob[k, i], res.top_ids[k, i], res.top_logprobs[k, i])
-                    if self._append(seq, int(token), lp, outputs):
+                    if self._append(seq, token, lp, outputs):
                         break
-                self.block_manager.cache_full_blocks(seq)
+                else:
+                    if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
+                        self.block_manager.cache_full_blocks(seq)
             return
-        offset = 0
+        if res.prompt_logprob is not None:
+            offsets = np.concatenate([[0], np.cumsum(batch.counts)])
+            for i, seq in enumerate(batch.seqs):
+                if seq.wants_prompt_logprobs:
+                    self._collect_prompt_logprobs(seq, res, int(batch.starts[i]), int(batch.counts[i]), int(offsets[i]))
+        tokens, samples = res.tokens.tolist(), batch.samples.tolist()
         for i, seq in enumerate(batch.seqs):
-            n, start = int(batch.counts[i]), int(batch.starts[i])
-            if res.prompt_logprob is not None and seq.wants_prompt_logprobs:
-                self._collect_prompt_logprobs(seq, res, start, n, offset)
-            offset += n
-            if seq.is_finished:
+            if seq.status is Status.FINISHED:
                 continue
-            if batch.samples[i]:
+            if samples[i]:
                 seq.num_pending -= 1
                 lp = None if res.logprob is None else (res.logprob[i], res.top_ids[i], res.top_logprobs[i])
-                self._append(seq, int(res.tokens[i]), lp, outputs)
-            if not seq.is_finished:
+                if self._append(seq, tokens[i], lp, outputs):
+                    continue
+            if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
                 self.block_manager.cache_full_blocks(seq)
 
     def _collect_prompt_logprobs(self, seq: Sequence, res: StepResult, start: int, n: int, offset: int) -> None:
@@ -228,48 +235,48 @@ class EngineCore:
             seq.prompt_logprobs.append(_logprobs(seq.tokens[j + 1], res.prompt_logprob[row],
                                                  res.prompt_top_ids[row], res.prompt_top_logprobs[row], k))
 
-    def _append(self, seq: Sequence, token: int, lp: tuple | None,
-                outputs: dict[tuple[str, int], EngineCoreOutput]) -> bool:
-        """Add a sampled token, check the stop conditions; True if the sequence finished."""
+    def _append(self, seq: Sequence, token: int, lp: tuple | None, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
+        """Add a sampled token and check the stop rules (EOS and stop ids once min_tokens are out,
+        max_tokens, max_model_len); True if the sequence finished."""
         seq.tokens.append(token)
-        req = self.requests[seq.request_id]
-        out = outputs.get((seq.request_id, seq.index))
-        if out is None:
-            out = outputs[(seq.request_id, seq.index)] = EngineCoreOutput(seq.request_id, seq.index, [])
-            if seq.index not in req.started:
-                req.started.add(seq.index)
-                out.num_cached_tokens, out.first_scheduled = seq.num_cached_tokens, req.first_scheduled
-                if seq.wants_prompt_logprobs:
-                    out.prompt_logprobs = seq.prompt_logprobs
-        out.new_token_ids.append(token)
-        if seq.params.logprobs is not None and lp is not None:
+        out = outputs.get(seq)
+        if out is not None:
+            out.new_token_ids.append(token)
+        else:
+            out = outputs[seq] = EngineCoreOutput(seq.request_id, seq.index, [token])
+            if not seq.started:
+                self._first_output(seq, out)
+        if lp is not None and seq.params.logprobs is not None:
             out.new_logprobs = out.new_logprobs or []
             out.new_logprobs.append(_logprobs(token, *lp, seq.params.logprobs))
+        produced = len(seq.tokens) - seq.prompt_len
+        if produced >= seq.min_tokens and seq.check_eos and token in self.eos_set:
+            seq.finish_reason = "stop"
+        elif produced >= seq.min_tokens and token in seq.stop_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif produced >= seq.max_output or len(seq.tokens) >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return False
+        out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+        self.scheduler.remove(seq)
+        self.runner.release(seq)
+        if self.requests[seq.request_id].finished:
+            del self.requests[seq.request_id]
+        return True
+
+    def _first_output(self, seq: Sequence, out: EngineCoreOutput) -> None:
+        """A sequence's first output carries its prompt's cache hits, schedule time and prompt
+        logprobs; the first sequence's also lets its siblings in (they share its prompt blocks)."""
+        seq.started = True
+        req = self.requests[seq.request_id]
+        out.num_cached_tokens, out.first_scheduled = seq.num_cached_tokens, req.first_scheduled
+        if seq.wants_prompt_logprobs:
+            out.prompt_logprobs = seq.prompt_logprobs
         if seq.index == 0 and req.pending:
             for sib in reversed(req.pending):
                 self.scheduler.add(sib, front=True)
             req.pending = []
-        self._check_stop(seq, token, req)
-        if seq.finish_reason is None:
-            return False
-        out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
-        self.scheduler.remove(seq)
-        if req.finished:
-            del self.requests[seq.request_id]
-        return True
-
-    def _check_stop(self, seq: Sequence, token: int, req: CoreRequest) -> None:
-        p = seq.params
-        produced = len(seq.tokens) - seq.prompt_len
-        if produced >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-                return
-            if token in req.stop_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-                return
-        if (p.max_tokens is not None and produced >= p.max_tokens) or len(seq.tokens) >= self.max_model_len:
-            seq.finish_reason = "length"
 
     # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

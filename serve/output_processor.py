@@ -63,10 +63,12 @@ class _Request:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    unfinished: int = 0
 
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+    def finish(self, seq: _Seq, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq.finish_reason is None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.unfinished -= 1
 
 
 @dataclasses.dataclass
@@ -86,7 +88,7 @@ class OutputProcessor:
         seqs = [_Seq(i, IncrementalDetokenizer(self.tokenizer, params), logprobs=[] if params.logprobs is not None
                      else None) for i in range(params.n)]
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params, seqs,
-                                             RequestMetrics(arrival_time=arrival_time))
+                                             RequestMetrics(arrival_time=arrival_time), unfinished=params.n)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -96,42 +98,43 @@ class OutputProcessor:
         touched: dict[str, int] = {}
         first: set[str] = set()
         to_abort: list[tuple[str, int]] = []
+        requests = self.requests
         for co in core_outputs:
-            req = self.requests.get(co.request_id)
-            if req is None or req.seqs[co.index].finished:
-                continue  # aborted here, or already finished by a stop string
+            req = requests.get(co.request_id)
+            if req is None:
+                continue  # aborted here
             seq = req.seqs[co.index]
+            if seq.finish_reason is not None:
+                continue  # already finished by a stop string
             if co.first_scheduled is not None:
-                req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or co.first_scheduled
-                req.num_cached_tokens = max(req.num_cached_tokens, co.num_cached_tokens)
-            if co.prompt_logprobs is not None:
-                req.prompt_logprobs = [None if lp is None else logprob_entry(lp) for lp in co.prompt_logprobs]
+                self._first_output(req, co)
             tokens, logprobs = co.new_token_ids, co.new_logprobs
             stop_at = seq.detok.add(tokens)
             if stop_at is not None:
                 tokens, logprobs = tokens[:stop_at + 1], logprobs and logprobs[:stop_at + 1]
-                seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
+                req.finish(seq, "stop", seq.detok.stop_reason)
+                if co.finish_reason is None:
+                    to_abort.append((req.request_id, seq.index))
             elif co.finish_reason is not None:
-                seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
-            seq.token_ids.extend(tokens)
-            if seq.logprobs is not None and logprobs:
+                req.finish(seq, co.finish_reason, co.stop_reason)
+            seq.token_ids += tokens
+            if logprobs and seq.logprobs is not None:
                 seq.logprobs.extend(logprob_entry(lp) for lp in logprobs)
                 seq.cumulative_logprob += sum(lp.logprob for lp in logprobs)
-            if tokens and req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-                first.add(req.request_id)
             if tokens:
-                req.metrics.last_token_time = now
+                m = req.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                    first.add(req.request_id)
+                m.last_token_time = now
             touched[req.request_id] = touched.get(req.request_id, 0) + len(tokens)
-            if stop_at is not None and co.finish_reason is None:
-                to_abort.append((req.request_id, seq.index))
         outputs, iterations = [], []
         for rid, new in touched.items():
-            req = self.requests[rid]
-            finished = req.finished
+            req = requests[rid]
+            finished = req.unfinished == 0
             if finished:
                 req.metrics.finished_time = now
-                del self.requests[rid]
+                del requests[rid]
             iterations.append(RequestIteration(rid, new, req.metrics, rid in first,
                                                req.seqs[0].finish_reason if finished else None))
             out = self._output(req, finished)
@@ -139,14 +142,20 @@ class OutputProcessor:
                 outputs.append(out)
         return ProcessedOutputs(outputs, iterations, to_abort)
 
+    @staticmethod
+    def _first_output(req: _Request, co: EngineCoreOutput) -> None:
+        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or co.first_scheduled
+        req.num_cached_tokens = max(req.num_cached_tokens, co.num_cached_tokens)
+        if co.prompt_logprobs is not None:
+            req.prompt_logprobs = [None if lp is None else logprob_entry(lp) for lp in co.prompt_logprobs]
+
     def abort(self, request_id: str) -> tuple[RequestOutput, RequestIteration] | None:
         """Finish a request as aborted (the caller aborts it in the core); None if unknown."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         for seq in req.seqs:
-            if not seq.finished:
-                seq.finish_reason = "abort"
+            req.finish(seq, "abort")
         req.metrics.finished_time = time.monotonic()
         return self._output(req, True, force=True), RequestIteration(request_id, 0, req.metrics, False, "abort")
 
@@ -156,23 +165,21 @@ class OutputProcessor:
             return None
         outs = []
         for seq in req.seqs:
-            end = seq.detok.streamable(seq.finished)
+            done = seq.finish_reason is not None
+            detok = seq.detok
+            end = detok.streamable(done)
             if kind == "delta":
-                text, ids = seq.detok.text[seq.sent_text:end], seq.token_ids[seq.sent_tokens:]
-                logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:]
-                if not (text or ids or (seq.finished and not seq.sent_finish) or force):
+                ids = seq.token_ids[seq.sent_tokens:]
+                text = detok.text[seq.sent_text:end] if end > seq.sent_text else ""
+                if not (text or ids or force or (done and not seq.sent_finish)):
                     continue
-                seq.sent_text, seq.sent_tokens = max(end, seq.sent_text), len(seq.token_ids)
-                seq.sent_finish = seq.finished
+                logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:]
+                seq.sent_text, seq.sent_tokens, seq.sent_finish = max(end, seq.sent_text), len(seq.token_ids), done
             else:
-                text, ids, logprobs = seq.detok.text[:end], list(seq.token_ids), seq.logprobs and list(seq.logprobs)
-            outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=logprobs if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                text, ids, logprobs = detok.text[:end], list(seq.token_ids), seq.logprobs and list(seq.logprobs)
+            outs.append(CompletionOutput(seq.index, text, ids, None if seq.logprobs is None else seq.cumulative_logprob,
+                                         logprobs, seq.finish_reason, seq.stop_reason))
         if not outs:
             return None
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             prompt_logprobs=req.prompt_logprobs, outputs=outs, finished=finished,
-                             metrics=req.metrics, num_cached_tokens=req.num_cached_tokens)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs, finished,
+                             req.metrics, req.num_cached_tokens)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from jaxinfra.models import LlamaModel
 from pallas_kernels import PagedKVCache, PagedMetadata, TilePlan, kv_bytes_per_element, paged_impl, tile_plan
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
+from serve.host_transfer import pack, unpack
 from serve.sampler import SamplerOutput, SamplingTensors, apply_penalties, sample
 from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGPROBS
 from serve.scheduler import SchedulerOutput
@@ -110,6 +111,74 @@ class InFlight:
         return res
 
 
+class SlotTable:
+    """Per-sequence rows kept across steps (vLLM's persistent batch): a sequence's sampling settings
+    are written once, when it is first scheduled, and its block ids as it grows; a step gathers its
+    rows with one indexing operation instead of a Python loop per field."""
+
+    def __init__(self, capacity: int, max_blocks: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.blocks = np.zeros((capacity, max_blocks), np.int32)
+        self.num_blocks = np.zeros(capacity, np.int32)
+        self.floats = np.zeros((capacity, 6), np.float32)  # temperature, min_p, top_p, presence, frequency, rep.
+        self.ints = np.zeros((capacity, 4), np.int32)      # top_k, seed, sibling, min_tokens
+        self.flags = np.zeros((capacity, 2), bool)         # ignore_eos, logprobs
+        self.stop_ids = np.full((capacity, MAX_BANNED_STOP_IDS), -1, np.int32)
+        self.prompt_len = np.zeros(capacity, np.int32)
+        self.max_output = np.zeros(capacity, np.int32)
+        self.penalties = np.zeros(capacity, bool)
+        self.prompt_logprobs = np.zeros(capacity, bool)
+        self.slot_of: dict[int, int] = {}
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def row(self, seq: Sequence) -> int:
+        """The sequence's row, written on first use; its block ids brought up to date."""
+        slot = self.slot_of.get(seq.seq_id)
+        if slot is None:
+            slot = self.slot_of[seq.seq_id] = self.free.pop()
+            p = seq.params
+            self.floats[slot] = (p.temperature, p.min_p, p.top_p, p.presence_penalty, p.frequency_penalty,
+                                 p.repetition_penalty)
+            self.ints[slot] = (min(p.top_k, self.vocab_size), seq.seed, seq.index, p.min_tokens)
+            self.flags[slot] = (p.ignore_eos, p.logprobs is not None)
+            ids = p.stop_token_ids[:MAX_BANNED_STOP_IDS]
+            self.stop_ids[slot] = -1
+            self.stop_ids[slot, :len(ids)] = ids
+            self.prompt_len[slot], self.max_output[slot] = seq.prompt_len, seq.max_output
+            self.penalties[slot], self.prompt_logprobs[slot] = p.uses_penalties, seq.wants_prompt_logprobs
+            self.num_blocks[slot] = 0
+        have, want = int(self.num_blocks[slot]), len(seq.block_ids)
+        if have != want:
+            have = have if have < want else 0  # blocks only grow while a sequence keeps its row
+            self.blocks[slot, have:want] = seq.block_ids[have:]
+            self.num_blocks[slot] = want
+        return slot
+
+    def release(self, seq: Sequence) -> None:
+        slot = self.slot_of.pop(seq.seq_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def sampling(self, rows: np.ndarray, sb: int, out_pos: np.ndarray) -> SamplingTensors:
+        """The sampler's [sb] rows: the given rows, then padding rows (greedy, no filters)."""
+        n = len(rows)
+        floats = np.zeros((sb, 6), np.float32)
+        floats[:, 2] = floats[:, 5] = 1.0  # top_p, repetition_penalty defaults for padding rows
+        floats[:n] = self.floats[rows]
+        ints = np.zeros((sb, 5), np.int32)
+        ints[:n, :4] = self.ints[rows]
+        ints[:n, 4] = out_pos
+        flags = np.zeros((sb, 2), bool)
+        flags[:n] = self.flags[rows]
+        stop_ids = np.full((sb, MAX_BANNED_STOP_IDS), -1, np.int32)
+        stop_ids[:n] = self.stop_ids[rows]
+        return SamplingTensors(
+            temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 2], min_p=floats[:, 1], seed=ints[:, 1],
+            sibling=ints[:, 2], out_pos=ints[:, 4], min_tokens=ints[:, 3], ignore_eos=flags[:, 0],
+            stop_ids=stop_ids, logprobs=flags[:, 1], presence=floats[:, 3], frequency=floats[:, 4],
+            repetition=floats[:, 5])
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, *, block_size: int, num_blocks: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_cache_dtype: str = "auto",
@@ -138,14 +207,16 @@ class ModelRunner:
                 (None, None, "kv_heads", "head_dim"), self.rules.params, pool, self.mesh))
         self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
         self.seq_buckets = buckets(max_num_seqs, min(8, max_num_seqs))
-        self.width_buckets = buckets(self.max_blocks, min(4, self.max_blocks))  # block-table columns
+        # Block-table columns: the XLA attention reads every column, the Pallas kernel only real pages.
+        self.width_buckets = buckets(self.max_blocks, min(4, self.max_blocks), factor=2 if self.host_plan else 4)
+        self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
         self.num_compilations = 0
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
         self.prev_tokens = self._no_prev    # the last single step's sampled tokens, on device
         self.prev_rows: dict[int, int] = {}  # seq_id -> its row in prev_tokens
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("max_q_len",))
-        self._multi = jax.jit(self._multi_impl, donate_argnums=(1,), static_argnames=("num_steps",))
-        self._penalized = jax.jit(self._penalized_impl)
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+        self._multi = jax.jit(self._multi_impl, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
+        self._penalized = jax.jit(self._penalized_impl, static_argnames=("layout",))
 
     # --- device side ------------------------------------------------------------------------------
     def _traced(self) -> None:
@@ -190,8 +261,9 @@ class ModelRunner:
         return target.reshape(-1)[:t], ids.reshape(-1, MAX_LOGPROBS)[:t].astype(jnp.int32), \
             lps.reshape(-1, MAX_LOGPROBS)[:t]
 
-    def _step_impl(self, state, caches, inputs, sampling, prev_tokens, *, max_q_len):
+    def _step_impl(self, state, caches, buffers, prev_tokens, *, layout, max_q_len):
         self._traced()
+        inputs, sampling = unpack(buffers, layout)
         return self._sharded(self._forward_and_sample, state, caches, inputs, sampling, prev_tokens, max_q_len)
 
     def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
@@ -209,14 +281,16 @@ class ModelRunner:
         prompt = jax.lax.cond(jnp.any(targets >= 0), lambda: self._prompt_logprobs(model, h, targets), zeros)
         return out, self._padded(out.tokens), logits, prompt, caches
 
-    def _penalized_impl(self, logits, sampling, history, is_output):
+    def _penalized_impl(self, logits, buffers, *, layout):
         self._traced()
+        sampling, history, is_output = unpack(buffers, layout)
         out = sample(apply_penalties(logits, sampling, history, is_output), sampling, eos_ids=self.eos_token_ids,
                      raw_logits=logits)
         return out, self._padded(out.tokens)
 
-    def _multi_impl(self, state, caches, inputs, sampling, prev_tokens, budget, *, num_steps):
+    def _multi_impl(self, state, caches, buffers, prev_tokens, *, layout, num_steps):
         self._traced()
+        inputs, sampling, budget = unpack(buffers, layout)
         return self._sharded(self._decode_loop, state, caches, inputs, sampling, prev_tokens, budget, num_steps)
 
     def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, num_steps):
@@ -255,32 +329,42 @@ class ModelRunner:
     # --- host side --------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, num_steps: int = 1) -> StepBatch:
         """Host arrays for one step (or a multi-step decode run when num_steps > 1)."""
-        seqs = [s for s, _ in sched.scheduled]
+        scheduled = sched.scheduled
+        seqs = [s for s, _ in scheduled]
         n_seq = len(seqs)
-        counts = np.fromiter((n for _, n in sched.scheduled), np.int32, n_seq)
+        table = self.slots
+        rows = np.fromiter((table.row(s) for s in seqs), np.int32, n_seq)
+        counts = np.fromiter((n for _, n in scheduled), np.int32, n_seq)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n_seq)
+        pending = np.fromiter((s.num_pending for s in seqs), np.int32, n_seq)
+        num_tokens = np.fromiter((len(s.tokens) for s in seqs), np.int32, n_seq) + pending
         n_tok = int(counts.sum())
         decode_only = int(counts.max(initial=0)) <= 1
-        sb = fit(n_seq, self.seq_buckets)
-        tb = sb if decode_only else fit(n_tok, self.token_buckets)  # decodes: one token per sequence slot
+        # Decodes: one token per sequence slot; batches with a prompt chunk: token buckets, every sequence slot.
+        sb = fit(n_seq, self.seq_buckets) if decode_only else self.max_num_seqs
+        tb = sb if decode_only else fit(n_tok, self.token_buckets)
         cu = np.zeros(sb + 1, np.int32)
         np.cumsum(counts, out=cu[1:n_seq + 1])
         cu[n_seq + 1:] = cu[n_seq]
         seq_of_tok = np.repeat(np.arange(n_seq), counts)
         positions = np.zeros(tb, np.int32)
         positions[:n_tok] = starts[seq_of_tok] + np.arange(n_tok) - cu[seq_of_tok]
-        width = fit(max(len(s.block_ids) for s in seqs), self.width_buckets)
+        width = fit(int(table.num_blocks[rows].max()), self.width_buckets)
         block_tables = np.zeros((sb, width), np.int32)
-        for i, s in enumerate(seqs):
-            block_tables[i, :len(s.block_ids)] = s.block_ids
+        block_tables[:n_seq] = table.blocks[rows, :width]
         input_ids = np.zeros(tb, np.int32)
         prev_index = np.full(tb, -1, np.int32)
-        for i, (s, n) in enumerate(sched.scheduled):
-            start, known = s.num_computed_tokens, len(s.tokens)
-            if start + n <= known:
-                input_ids[cu[i]:cu[i] + n] = s.tokens[start:start + n]
-            else:  # a decode of the token the previous step is still sampling on the device
-                prev_index[cu[i]] = self.prev_rows[s.seq_id]
+        if decode_only:  # each sequence feeds its last token, or the one still on the device
+            input_ids[:n_seq] = [0 if s.num_pending else s.tokens[-1] for s in seqs]
+            if pending.any():
+                prev_index[:n_seq][pending > 0] = [self.prev_rows[s.seq_id] for s in seqs if s.num_pending]
+        else:
+            for i, (s, n) in enumerate(scheduled):
+                start = s.num_computed_tokens
+                if start + n <= len(s.tokens):
+                    input_ids[cu[i]:cu[i] + n] = s.tokens[start:start + n]
+                else:  # a decode of the token the previous step is still sampling on the device
+                    prev_index[cu[i]] = self.prev_rows[s.seq_id]
         slots = np.full(tb, -1, np.int32)
         p = positions[:n_tok]
         slots[:n_tok] = block_tables[seq_of_tok, p // self.block_size] * self.block_size + p % self.block_size
@@ -288,7 +372,7 @@ class ModelRunner:
         kv_lens[:n_seq] = starts + counts
         logits_indices = np.zeros(sb, np.int32)
         logits_indices[:n_seq] = cu[1:n_seq + 1] - 1
-        samples = starts + counts >= np.fromiter((s.num_tokens for s in seqs), np.int32, n_seq)
+        out_pos = num_tokens - table.prompt_len[rows]
         max_q_len = 1 if decode_only else tb
         inputs: dict[str, Any] = dict(
             input_ids=input_ids, prev_index=prev_index, positions=positions, slot_mapping=slots,
@@ -296,20 +380,22 @@ class ModelRunner:
         prompt_logprobs = False
         if num_steps == 1:
             targets = np.full(tb, -1, np.int32)
-            for i, (s, n) in enumerate(sched.scheduled):
-                if s.wants_prompt_logprobs and s.num_computed_tokens < s.prompt_len:
-                    nxt = s.tokens[s.num_computed_tokens + 1:min(s.num_computed_tokens + n + 1, s.prompt_len)]
-                    targets[cu[i]:cu[i] + len(nxt)] = nxt
-                    prompt_logprobs = True
+            if table.prompt_logprobs[rows].any():
+                for i, (s, n) in enumerate(scheduled):
+                    if s.wants_prompt_logprobs and s.num_computed_tokens < s.prompt_len:
+                        nxt = s.tokens[s.num_computed_tokens + 1:min(s.num_computed_tokens + n + 1, s.prompt_len)]
+                        targets[cu[i]:cu[i] + len(nxt)] = nxt
+                        prompt_logprobs = True
             inputs["prompt_targets"] = targets
-        batch = StepBatch(seqs, starts, counts, samples, inputs, self._sampling(seqs, sb), max_q_len, num_steps,
-                          prompt_logprobs=prompt_logprobs)
+        batch = StepBatch(seqs, starts, counts, starts + counts >= num_tokens, inputs,
+                          table.sampling(rows, sb, out_pos), max_q_len, num_steps, prompt_logprobs=prompt_logprobs)
         plan_kv = kv_lens
         if num_steps > 1:
+            left = np.minimum(self.max_model_len - num_tokens, table.max_output[rows] - out_pos)
             batch.budget = np.zeros(sb, np.int32)
-            batch.budget[:n_seq] = [min(self.budget(s), num_steps) for s in seqs]
+            batch.budget[:n_seq] = np.clip(left, 0, num_steps)
             plan_kv = kv_lens + np.maximum(batch.budget - 1, 0)  # pages up to the last token the loop may write
-        elif any(s.params.uses_penalties for s in seqs):
+        elif table.penalties[rows].any():
             batch.history = self._history(seqs, sb)
         if self.host_plan:
             inputs["plan"] = tile_plan(cu, plan_kv, block_tables, self.block_size, tb, tile_tokens(max_q_len, tb), np)
@@ -317,10 +403,11 @@ class ModelRunner:
 
     def budget(self, seq: Sequence) -> int:
         """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
-        left = self.max_model_len - seq.num_tokens
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
-        return max(left, 0)
+        return max(min(self.max_model_len - seq.num_tokens, seq.max_output - seq.num_output_tokens), 0)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence left the running batch (finished, aborted or preempted): free its slot row."""
+        self.slots.release(seq)
 
     def _history(self, seqs: list[Sequence], sb: int) -> tuple[np.ndarray, np.ndarray]:
         history = np.full((sb, self.max_model_len), -1, np.int32)
@@ -330,40 +417,20 @@ class ModelRunner:
             is_out[i, s.prompt_len:len(s.tokens)] = True
         return history, is_out
 
-    def _sampling(self, seqs: list[Sequence], sb: int) -> SamplingTensors:
-        n = len(seqs)
-        floats = np.zeros((sb, 6), np.float32)
-        floats[:, 2] = floats[:, 5] = 1.0  # top_p, repetition_penalty defaults for padding rows
-        ints = np.zeros((sb, 5), np.int32)
-        flags = np.zeros((sb, 2), bool)
-        stop_ids = np.full((sb, MAX_BANNED_STOP_IDS), -1, np.int32)
-        if n:
-            params = [s.params for s in seqs]
-            floats[:n] = [(p.temperature, p.min_p, p.top_p, p.presence_penalty, p.frequency_penalty,
-                           p.repetition_penalty) for p in params]
-            ints[:n] = [(min(p.top_k, self.cfg.vocab_size), s.seed, s.index, s.num_output_tokens, p.min_tokens)
-                        for s, p in zip(seqs, params)]
-            flags[:n] = [(p.ignore_eos, p.logprobs is not None) for p in params]
-            for i, p in enumerate(params):
-                ids = p.stop_token_ids[:MAX_BANNED_STOP_IDS]
-                stop_ids[i, :len(ids)] = ids
-        return SamplingTensors(
-            temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 2], min_p=floats[:, 1], seed=ints[:, 1],
-            sibling=ints[:, 2], out_pos=ints[:, 3], min_tokens=ints[:, 4], ignore_eos=flags[:, 0],
-            stop_ids=stop_ids, logprobs=flags[:, 1], presence=floats[:, 3], frequency=floats[:, 4],
-            repetition=floats[:, 5])
-
     def dispatch(self, batch: StepBatch) -> InFlight:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
         if batch.num_steps > 1:
-            out, self.caches = self._multi(self.state, self.caches, batch.inputs, batch.sampling, self.prev_tokens,
-                                           batch.budget, num_steps=batch.num_steps)
+            buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
+            out, self.caches = self._multi(self.state, self.caches, buffers, self.prev_tokens, layout=layout,
+                                           num_steps=batch.num_steps)
             self.prev_tokens, self.prev_rows = self._no_prev, {}
             return InFlight(batch, out, ())
-        out, padded, logits, prompt, self.caches = self._step(self.state, self.caches, batch.inputs, batch.sampling,
-                                                              self.prev_tokens, max_q_len=batch.max_q_len)
+        buffers, layout = pack((batch.inputs, batch.sampling))
+        out, padded, logits, prompt, self.caches = self._step(self.state, self.caches, buffers, self.prev_tokens,
+                                                              layout=layout, max_q_len=batch.max_q_len)
         if batch.history is not None:
-            out, padded = self._penalized(logits, batch.sampling, *batch.history)
+            buffers, layout = pack((batch.sampling, *batch.history))
+            out, padded = self._penalized(logits, buffers, layout=layout)
         self.prev_tokens = padded
         self.prev_rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
         return InFlight(batch, out, prompt)
@@ -376,13 +443,8 @@ class ModelRunner:
     def shapes(self) -> list[tuple[int, int, int, int]]:
         """Every (tokens, sequences, block-table width, max_q_len) a step can have: decode-only
         batches (one token per sequence bucket slot) and batches with a prompt chunk."""
-        out = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
-        for tb in self.token_buckets:
-            for j, sb in enumerate(self.seq_buckets):
-                if j and self.seq_buckets[j - 1] >= tb:
-                    continue  # needs more sequences than tokens
-                out += [(tb, sb, w, tb) for w in self.width_buckets]
-        return out
+        decode = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
+        return decode + [(tb, self.max_num_seqs, w, tb) for tb in self.token_buckets for w in self.width_buckets]
 
     def _dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         inputs: dict[str, Any] = dict(
@@ -395,7 +457,8 @@ class ModelRunner:
             inputs["plan"] = tile_plan(inputs["cu_q_lens"], inputs["kv_lens"], inputs["block_tables"], self.block_size,
                                        tb, tile_tokens(q, tb), np)
         empty = np.zeros(0, np.int32)
-        batch = StepBatch([], empty, empty, np.zeros(0, bool), inputs, self._sampling([], sb), q, num_steps)
+        batch = StepBatch([], empty, empty, np.zeros(0, bool), inputs, self.slots.sampling(empty, sb, empty), q,
+                          num_steps)
         if num_steps > 1:
             batch.budget = np.zeros(sb, np.int32)
         return batch

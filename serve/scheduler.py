@@ -67,15 +67,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
+        bs = self.bm.block_size
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0 or seq.done_generating:
-                i += 1
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            total = len(seq.tokens) + seq.num_pending
+            n = min(total - seq.num_computed_tokens, budget)
+            if n <= 0 or total - seq.prompt_len >= seq.max_output:
+                i += 1  # nothing to compute, or max_tokens already in flight
                 continue
-            while not self.bm.allocate_slots(seq, n):
-                victim = self.running.pop()
+            grows = -(-(seq.num_computed_tokens + n) // bs) > len(seq.block_ids)
+            while grows and not self.bm.allocate_slots(seq, n):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

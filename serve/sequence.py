@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import INT32_MAX, SamplingParams
 
 _counter = itertools.count()
 
@@ -41,7 +41,13 @@ class Sequence:
         self.chain_uids: list[int] = []      # the cached block each full block's prefix resolves to (-1: none)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.prompt_logprobs: list[dict[int, float] | None] = []
+        self.prompt_logprobs: list = []
+        self.started = False  # has sent an output
+        # the stop rules, read every step
+        self.max_output = INT32_MAX if params.max_tokens is None else params.max_tokens
+        self.min_tokens = params.min_tokens
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.check_eos = not params.ignore_eos
 
     @property
     def num_tokens(self) -> int:
@@ -63,5 +69,4 @@ class Sequence:
     @property
     def done_generating(self) -> bool:
         """Every token it may produce is known or in flight (max_tokens reached): nothing to schedule."""
-        p = self.params
-        return p.max_tokens is not None and self.num_output_tokens >= p.max_tokens
+        return len(self.tokens) + self.num_pending - self.prompt_len >= self.max_output

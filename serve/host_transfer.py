@@ -22,18 +22,25 @@ class Layout:
     leaves: tuple[tuple[str, int, tuple[int, ...]], ...]
 
 
+_LAYOUTS: dict[tuple, Layout] = {}
+
+
 def pack(tree: Any) -> tuple[dict[str, np.ndarray], Layout]:
     leaves, treedef = jax.tree.flatten(tree)
+    arrays = [np.asarray(leaf) for leaf in leaves]
     parts: dict[str, list[np.ndarray]] = {}
-    sizes: dict[str, int] = {}
-    entries = []
-    for leaf in leaves:
-        a = np.asarray(leaf)
-        key = a.dtype.str
-        entries.append((key, sizes.get(key, 0), a.shape))
-        parts.setdefault(key, []).append(a.reshape(-1))
-        sizes[key] = sizes.get(key, 0) + a.size
-    return {k: np.concatenate(v) for k, v in parts.items()}, Layout(treedef, tuple(entries))
+    for a in arrays:
+        parts.setdefault(a.dtype.str, []).append(a.reshape(-1))
+    signature = (treedef, *((a.dtype.str, a.shape) for a in arrays))
+    layout = _LAYOUTS.get(signature)
+    if layout is None:  # one object per signature: the jit cache then matches it by identity
+        sizes: dict[str, int] = {}
+        entries = []
+        for a in arrays:
+            entries.append((a.dtype.str, sizes.get(a.dtype.str, 0), a.shape))
+            sizes[a.dtype.str] = sizes.get(a.dtype.str, 0) + a.size
+        layout = _LAYOUTS[signature] = Layout(treedef, tuple(entries))
+    return {k: np.concatenate(v) for k, v in parts.items()}, layout
 
 
 def unpack(buffers: dict[str, jax.Array], layout: Layout) -> Any:

@@ -205,10 +205,12 @@ class ModelRunner:
             pool = self.caches[0].k.shape
             self.caches = jax.device_put(self.caches, named_sharding(
                 (None, None, "kv_heads", "head_dim"), self.rules.params, pool, self.mesh))
+        # The weights travel as a flat list: flattening an nnx.State on every call costs more than the step.
+        self.weights, self.state_def = jax.tree.flatten(self.state)
         self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
-        self.seq_buckets = buckets(max_num_seqs, min(8, max_num_seqs))
-        # Block-table columns: the XLA attention reads every column, the Pallas kernel only real pages.
-        self.width_buckets = buckets(self.max_blocks, min(4, self.max_blocks), factor=2 if self.host_plan else 4)
+        self.seq_buckets = buckets(max_num_seqs, 1)
+        # Block-table columns (both attention implementations read only the pages a batch uses).
+        self.width_buckets = buckets(self.max_blocks, min(4, self.max_blocks), factor=4)
         self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
         self.num_compilations = 0
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
@@ -267,7 +269,7 @@ class ModelRunner:
         return self._sharded(self._forward_and_sample, state, caches, inputs, sampling, prev_tokens, max_q_len)
 
     def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
-        model = nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, state))
         meta = self._meta(inputs, inputs["kv_lens"], inputs["slot_mapping"], max_q_len)
         ids = self._input_ids(inputs, prev_tokens)
         h, caches = model.hidden_states(ids[None], inputs["positions"][None], meta, caches)
@@ -296,7 +298,7 @@ class ModelRunner:
     def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, num_steps):
         """Up to num_steps decode steps; a row stops at EOS, a stop id or its budget (as the host
         checks), and the loop ends early once every row has stopped. Tokens [K, S], -1 where none."""
-        model = nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, state))
         s = budget.shape[0]
         eos = jnp.asarray(self.eos_token_ids or (-1,), jnp.int32)
         rows = jnp.arange(s)
@@ -421,12 +423,12 @@ class ModelRunner:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
         if batch.num_steps > 1:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
-            out, self.caches = self._multi(self.state, self.caches, buffers, self.prev_tokens, layout=layout,
+            out, self.caches = self._multi(self.weights, self.caches, buffers, self.prev_tokens, layout=layout,
                                            num_steps=batch.num_steps)
             self.prev_tokens, self.prev_rows = self._no_prev, {}
             return InFlight(batch, out, ())
         buffers, layout = pack((batch.inputs, batch.sampling))
-        out, padded, logits, prompt, self.caches = self._step(self.state, self.caches, buffers, self.prev_tokens,
+        out, padded, logits, prompt, self.caches = self._step(self.weights, self.caches, buffers, self.prev_tokens,
                                                               layout=layout, max_q_len=batch.max_q_len)
         if batch.history is not None:
             buffers, layout = pack((batch.sampling, *batch.history))
@@ -434,6 +436,18 @@ class ModelRunner:
         self.prev_tokens = padded
         self.prev_rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
         return InFlight(batch, out, prompt)
+
+    def compiled_text(self, batch: StepBatch) -> str:
+        """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
+        if batch.num_steps > 1:
+            buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
+            lowered = self._multi.lower(self.weights, self.caches, buffers, self.prev_tokens, layout=layout,
+                                        num_steps=batch.num_steps)
+        else:
+            buffers, layout = pack((batch.inputs, batch.sampling))
+            lowered = self._step.lower(self.weights, self.caches, buffers, self.prev_tokens, layout=layout,
+                                       max_q_len=batch.max_q_len)
+        return lowered.compile().as_text()
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Prepare, run and fetch one step synchronously."""
@@ -446,7 +460,8 @@ class ModelRunner:
         decode = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
         return decode + [(tb, self.max_num_seqs, w, tb) for tb in self.token_buckets for w in self.width_buckets]
 
-    def _dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
+    def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
+        """An empty batch of the given shape (what warm-up compiles)."""
         inputs: dict[str, Any] = dict(
             input_ids=np.zeros(tb, np.int32), prev_index=np.full(tb, -1, np.int32), positions=np.zeros(tb, np.int32),
             slot_mapping=np.full(tb, -1, np.int32), block_tables=np.zeros((sb, width), np.int32),
@@ -466,12 +481,12 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile every step shape (`shapes()`), the penalty sampler per sequence bucket and, with
         num_scheduler_steps > 1, the decode loop per decode shape."""
-        jobs = [self._dummy(*shape) for shape in self.shapes()]
+        jobs = [self.dummy(*shape) for shape in self.shapes()]
         if self.num_scheduler_steps > 1:
-            jobs += [self._dummy(sb, sb, w, 1, self.num_scheduler_steps)
+            jobs += [self.dummy(sb, sb, w, 1, self.num_scheduler_steps)
                      for sb in self.seq_buckets for w in self.width_buckets]
         for sb in self.seq_buckets:
-            batch = self._dummy(sb, sb, self.width_buckets[0], 1)
+            batch = self.dummy(sb, sb, self.width_buckets[0], 1)
             batch.history = self._history([], sb)
             jobs.append(batch)
         for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):

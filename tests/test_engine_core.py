@@ -140,3 +140,51 @@ def test_a_hit_needs_the_same_parent(monkeypatch):
     z = _seq([5, 6, 3, 4, 8])
     assert bm.allocate_prefix(z) == 2 and z.block_ids == y.block_ids[:1]  # [5, 6] only, never a's [3, 4]
     bm.check_invariants([a, y, z])
+
+
+def test_compiled_steps_never_copy_a_kv_pool():
+    """Every step shape updates the donated KV pools in place: no whole-pool copy in the compiled HLO
+    (a copy would cost a pass over the whole cache per step)."""
+    eng = engine(num_scheduler_steps=4)
+    runner = eng.core.runner
+    pool = ",".join(map(str, runner.caches[0].k.shape))
+    shapes = [runner.shapes()[0], runner.shapes()[-1], (8, 8, runner.width_buckets[-1], 1)]
+    batches = [runner.dummy(*shape) for shape in shapes] + [runner.dummy(8, 8, runner.width_buckets[-1], 1, 4)]
+    for batch in batches:
+        copies = [line for line in runner.compiled_text(batch).splitlines()
+                  if f"[{pool}]" in line and " copy(" in line]
+        assert not copies, (batch.inputs["input_ids"].shape, copies[:2])
+
+
+_CACHE_RUN = """
+import sys, time, jax
+events = {"hits": 0, "misses": 0}
+jax.monitoring.register_event_listener(
+    lambda name, **kw: events.__setitem__("hits" if name.endswith("cache_hits") else "misses",
+                                          events["hits" if name.endswith("cache_hits") else "misses"] + 1)
+    if name.endswith(("cache_hits", "cache_misses")) else None)
+from serve import EngineArgs, LLMEngine
+eng = LLMEngine.from_engine_args(EngineArgs(model="tiny-qwen3", block_size=8, max_model_len=128, max_num_seqs=4,
+                                            max_num_batched_tokens=32, num_gpu_blocks_override=64,
+                                            compilation_cache_dir=sys.argv[1]))
+t0 = time.perf_counter()
+eng.core.runner.warmup()
+print(eng.core.runner.num_compilations, events["hits"], events["misses"], time.perf_counter() - t0)
+"""
+
+
+def test_restart_reuses_the_persistent_compilation_cache(tmp_path):
+    """A second engine on the same cache directory compiles nothing: every step shape is a cache hit."""
+    import subprocess
+    import sys
+
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _CACHE_RUN, str(tmp_path / "cache")], capture_output=True,
+                           text=True, timeout=600, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append([float(x) for x in r.stdout.split()[-4:]])
+    (shapes, hits1, misses1, _), (shapes2, hits2, misses2, _) = runs
+    assert shapes == shapes2 > 0 and misses1 >= shapes and hits1 == 0
+    assert misses2 == 0 and hits2 >= shapes
+    assert any((tmp_path / "cache").iterdir())

@@ -7,7 +7,9 @@ PROMPT ?= And God said
 PORT ?= 8000
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: setup run generate test test-kernels-newest ci
+LINT_PATHS = jaxinfra pallas_kernels sharding serve benchmarks tests scripts
+
+.PHONY: setup run generate lint test test-kernels-newest ci
 
 setup: $(VENV)/.installed
 
@@ -24,8 +26,14 @@ run: setup
 generate: setup
 	$(VENV)/bin/jaxinfra generate --prompt "$(PROMPT)" --max-tokens 40
 
-# The test suite and the notebooks (executed top to bottom by nbmake).
-test: setup
+# Lint (ruff), format check and types (mypy on the four packages).
+lint: setup
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+
+# Lint, then the test suite and the notebooks (executed top to bottom by nbmake), in random order.
+test: lint
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) --nbmake tests notebooks
 
 # Kernel tests (Pallas interpret mode) on Python 3.12 with the newest jax, as on the GPU machine.

@@ -42,10 +42,13 @@ class Shape:
 
 
 GPU_SHAPES = [
-    Shape(8, 2048, 16, 16, 128, True), Shape(8, 2048, 16, 16, 128, False),
-    Shape(2, 8192, 16, 16, 128, True), Shape(2, 8192, 16, 16, 128, False),
+    Shape(8, 2048, 16, 16, 128, True),
+    Shape(8, 2048, 16, 16, 128, False),
+    Shape(2, 8192, 16, 16, 128, True),
+    Shape(2, 8192, 16, 16, 128, False),
     Shape(4, 4096, 32, 8, 128, True),
-    Shape(8, 2048, 32, 32, 64, True), Shape(8, 2048, 32, 32, 64, False),
+    Shape(8, 2048, 32, 32, 64, True),
+    Shape(8, 2048, 32, 32, 64, False),
 ]
 QUICK_SHAPES = [Shape(1, 64, 4, 2, 32, True), Shape(1, 64, 4, 4, 32, False)]
 
@@ -59,18 +62,23 @@ def _impls(quick: bool) -> dict[str, Callable]:
         return flash_attention(q, k, v, causal=causal, block_sizes=blocks, interpret=interpret)
 
     def shipped_mha(q, k, v, causal):
-        from jax.experimental.pallas.ops.gpu.attention import BlockSizes as MhaBlocks, mha
+        from jax.experimental.pallas.ops.gpu.attention import BlockSizes as MhaBlocks
+        from jax.experimental.pallas.ops.gpu.attention import mha
+
         rep = q.shape[2] // k.shape[2]  # shipped mha has no GQA: it needs K/V repeated per query head
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
         kwargs = {"block_sizes": MhaBlocks(16, 16, 16, 16, 16, 16)} if quick else {}
         return mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal, interpret=interpret, **kwargs)
 
-    impls = {"ours": ours, "jax_pallas_mha": shipped_mha,
-             "xla": lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                                          implementation="xla")}
+    impls = {
+        "ours": ours,
+        "jax_pallas_mha": shipped_mha,
+        "xla": lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"),
+    }
     if jax.default_backend() == "gpu":
         impls["cudnn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn")
+            q, k, v, is_causal=causal, implementation="cudnn"
+        )
     return impls
 
 
@@ -95,17 +103,27 @@ def run(shapes: list[Shape], quick: bool, dtype: jnp.dtype) -> tuple[list[dict],
                 rows.append({"shape": shape.label, "impl": name, "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
             flops = shape.fwd_flops()
-            rows.append({"shape": shape.label, "impl": name, "max_err": err,
-                         "fwd_ms": t_fwd * 1e3, "fwd_tflops": flops / t_fwd / 1e12,
-                         "fwdbwd_ms": t_bwd * 1e3, "fwdbwd_tflops": 3.5 * flops / t_bwd / 1e12})
+            rows.append(
+                {
+                    "shape": shape.label,
+                    "impl": name,
+                    "max_err": err,
+                    "fwd_ms": t_fwd * 1e3,
+                    "fwd_tflops": flops / t_fwd / 1e12,
+                    "fwdbwd_ms": t_bwd * 1e3,
+                    "fwdbwd_tflops": 3.5 * flops / t_bwd / 1e12,
+                }
+            )
     return rows, peak
 
 
 def print_table(rows: list[dict], peak: float) -> None:
     base = {(r["shape"]): r for r in rows if r["impl"] == "cudnn" and "fwd_ms" in r}
     print(f"\nmeasured matmul peak: {peak:.1f} TFLOP/s   (fwd+bwd FLOPs = 3.5 x fwd)")
-    print(f"{'shape':<24} {'impl':<15} {'fwd TF/s':>9} {'%peak':>6} {'vs cuDNN':>8} {'f+b TF/s':>9} "
-          f"{'vs cuDNN':>8} {'max err':>9}")
+    print(
+        f"{'shape':<24} {'impl':<15} {'fwd TF/s':>9} {'%peak':>6} {'vs cuDNN':>8} {'f+b TF/s':>9} "
+        f"{'vs cuDNN':>8} {'max err':>9}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:<24} {r['impl']:<15} n/a: {r['error']}")
@@ -113,12 +131,15 @@ def print_table(rows: list[dict], peak: float) -> None:
         c = base.get(r["shape"])
         rf = f"{c['fwd_ms'] / r['fwd_ms']:.2f}x" if c else "-"
         rb = f"{c['fwdbwd_ms'] / r['fwdbwd_ms']:.2f}x" if c else "-"
-        print(f"{r['shape']:<24} {r['impl']:<15} {r['fwd_tflops']:>9.1f} {100 * r['fwd_tflops'] / peak:>5.0f}% "
-              f"{rf:>8} {r['fwdbwd_tflops']:>9.1f} {rb:>8} {r['max_err']:>9.2e}")
+        print(
+            f"{r['shape']:<24} {r['impl']:<15} {r['fwd_tflops']:>9.1f} {100 * r['fwd_tflops'] / peak:>5.0f}% "
+            f"{rf:>8} {r['fwdbwd_tflops']:>9.1f} {rb:>8} {r['max_err']:>9.2e}"
+        )
 
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -52,27 +52,34 @@ def _kv_bytes(num_seqs: int, context: int, d: int, kv: str) -> int:
 
 def _shipped(q, k, v, tables, lengths, bs, interpret):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged
+
     kp, vp = jnp.swapaxes(k, 0, 2).swapaxes(1, 2), jnp.swapaxes(v, 0, 2).swapaxes(1, 2)  # [KH, NB, BS, D]
     pages = tables.shape[1]
     per_block = min(max(1, 64 // bs), pages)
     splits = math.gcd(pages // per_block, 16)  # its split count must divide the pages per sequence
     q = (q * q.shape[-1] ** -0.5).astype(q.dtype)  # it applies no softmax scale of its own
-    return jax_paged(q, kp, vp, tables, lengths, pages_per_compute_block=per_block, k_splits=splits,
-                     interpret=interpret)
+    return jax_paged(
+        q, kp, vp, tables, lengths, pages_per_compute_block=per_block, k_splits=splits, interpret=interpret
+    )
 
 
 def decode_rows(quick: bool, bandwidth: float) -> list[dict]:
     d = 32 if quick else 128
     interpret = quick or jax.default_backend() != "gpu"
     rows = []
-    grid = [(b, c, bs, kv) for b, c in (QUICK_DECODE if quick else GPU_DECODE) for bs in ((16,) if quick else (16, 64))
-            for kv in ("bf16", "int8")]
+    grid = [
+        (b, c, bs, kv)
+        for b, c in (QUICK_DECODE if quick else GPU_DECODE)
+        for bs in ((16,) if quick else (16, 64))
+        for kv in ("bf16", "int8")
+    ]
     for b, c, bs, kv in tqdm(grid, desc="paged decode"):
         k, v, tables, scales = _pools(b, c, bs, d, kv)
         q = jax.random.normal(jax.random.key(9), (b, H, d), jnp.bfloat16)
         lengths = jnp.full((b,), c, jnp.int32)
-        impls = {"ours": jax.jit(lambda q, k, v: paged_attention(q, k, v, tables, lengths, interpret=interpret,
-                                                                 **scales))}
+        impls = {
+            "ours": jax.jit(lambda q, k, v: paged_attention(q, k, v, tables, lengths, interpret=interpret, **scales))
+        }
         if kv == "bf16" and bs == 16:
             impls["jax_paged"] = jax.jit(lambda q, k, v: _shipped(q, k, v, tables, lengths, bs, interpret))
             if b * c <= 2**20:
@@ -84,14 +91,33 @@ def decode_rows(quick: bool, bandwidth: float) -> list[dict]:
                 err = float(jnp.abs(fn(q, k, v).astype(jnp.float32) - ref).max())
                 t = time_fn(fn, q, k, v, warmup=1 if quick else 3, iters=2 if quick else 20)
             except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
-                rows.append({"batch": b, "context": c, "block": bs, "kv": kv, "impl": name,
-                             "error": f"{type(e).__name__}: {e}"[:160]})
+                rows.append(
+                    {
+                        "batch": b,
+                        "context": c,
+                        "block": bs,
+                        "kv": kv,
+                        "impl": name,
+                        "error": f"{type(e).__name__}: {e}"[:160],
+                    }
+                )
                 continue
             gbs = _kv_bytes(b, c, d, kv) / t / 1e9
             base[name] = t
-            rows.append({"batch": b, "context": c, "block": bs, "kv": kv, "impl": name, "us": t * 1e6,
-                         "gbs": gbs, "frac_bw": gbs / bandwidth, "max_err": err})
-        for r in rows[-len(impls):]:
+            rows.append(
+                {
+                    "batch": b,
+                    "context": c,
+                    "block": bs,
+                    "kv": kv,
+                    "impl": name,
+                    "us": t * 1e6,
+                    "gbs": gbs,
+                    "frac_bw": gbs / bandwidth,
+                    "max_err": err,
+                }
+            )
+        for r in rows[-len(impls) :]:
             if r.get("impl") == "ours" and "us" in r:
                 for other in ("jax_paged", "jnp_gather"):
                     if other in base:
@@ -108,22 +134,26 @@ def prefill_rows(quick: bool) -> list[dict]:
         k, v, tables, _ = _pools(1, context, 16, d, "bf16")
         q = jax.random.normal(jax.random.key(3), (chunk, H, d), jnp.bfloat16)
         cu, kv = jnp.asarray([0, chunk], jnp.int32), jnp.asarray([context], jnp.int32)
-        ours = jax.jit(lambda q: ragged_paged_attention(q, k, v, tables, cu, kv, block_q=16 if quick else 64,
-                                                        interpret=interpret))
+        ours = jax.jit(
+            lambda q: ragged_paged_attention(q, k, v, tables, cu, kv, block_q=16 if quick else 64, interpret=interpret)
+        )
         ref = ragged_paged_attention_reference(q.astype(jnp.float32), k, v, tables, cu, kv)
         err = float(jnp.abs(ours(q).astype(jnp.float32) - ref).max())
         t = time_fn(ours, q, warmup=1 if quick else 3, iters=2 if quick else 10)
         # each new token i sees context - chunk + i + 1 keys
         keys = chunk * (context - chunk) + chunk * (chunk + 1) / 2
-        rows.append({"chunk": chunk, "context": context, "us": t * 1e6, "tflops": 4 * H * d * keys / t / 1e12,
-                     "max_err": err})
+        rows.append(
+            {"chunk": chunk, "context": context, "us": t * 1e6, "tflops": 4 * H * d * keys / t / 1e12, "max_err": err}
+        )
     return rows
 
 
 def print_tables(decode: list[dict], prefill: list[dict], bandwidth: float) -> None:
     print(f"\nmeasured copy bandwidth: {bandwidth:.0f} GB/s")
-    print(f"{'batch':>5} {'ctx':>6} {'bs':>3} {'kv':>4} {'impl':<10} {'us':>9} {'GB/s':>7} {'%bw':>5} "
-          f"{'vs jax':>7} {'vs jnp':>7} {'err':>8}")
+    print(
+        f"{'batch':>5} {'ctx':>6} {'bs':>3} {'kv':>4} {'impl':<10} {'us':>9} {'GB/s':>7} {'%bw':>5} "
+        f"{'vs jax':>7} {'vs jnp':>7} {'err':>8}"
+    )
     for r in decode:
         head = f"{r['batch']:>5} {r['context']:>6} {r['block']:>3} {r['kv']:>4} {r['impl']:<10}"
         if "error" in r:
@@ -131,8 +161,9 @@ def print_tables(decode: list[dict], prefill: list[dict], bandwidth: float) -> N
             continue
         vj = f"{r['vs_jax_paged']:.2f}x" if "vs_jax_paged" in r else "-"
         vg = f"{r['vs_jnp_gather']:.2f}x" if "vs_jnp_gather" in r else "-"
-        print(f"{head} {r['us']:>9.1f} {r['gbs']:>7.0f} {100 * r['frac_bw']:>4.0f}% {vj:>7} {vg:>7} "
-              f"{r['max_err']:>8.1e}")
+        print(
+            f"{head} {r['us']:>9.1f} {r['gbs']:>7.0f} {100 * r['frac_bw']:>4.0f}% {vj:>7} {vg:>7} {r['max_err']:>8.1e}"
+        )
     print(f"\n{'chunk':>6} {'context':>8} {'us':>10} {'TFLOP/s':>8} {'err':>8}")
     for r in prefill:
         print(f"{r['chunk']:>6} {r['context']:>8} {r['us']:>10.1f} {r['tflops']:>8.1f} {r['max_err']:>8.1e}")
@@ -140,13 +171,17 @@ def print_tables(decode: list[dict], prefill: list[dict], bandwidth: float) -> N
 
 def plot(decode: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for (impl, kv, bs) in sorted({(r["impl"], r["kv"], r["block"]) for r in decode if "gbs" in r}):
-        pts = sorted((r["batch"] * r["context"], r["frac_bw"]) for r in decode
-                     if "gbs" in r and (r["impl"], r["kv"], r["block"]) == (impl, kv, bs))
+    for impl, kv, bs in sorted({(r["impl"], r["kv"], r["block"]) for r in decode if "gbs" in r}):
+        pts = sorted(
+            (r["batch"] * r["context"], r["frac_bw"])
+            for r in decode
+            if "gbs" in r and (r["impl"], r["kv"], r["block"]) == (impl, kv, bs)
+        )
         ax.plot(*zip(*pts), marker="o", label=f"{impl} {kv} bs={bs}")
     ax.set_xscale("log")
     ax.set_xlabel("cached tokens in the batch")
@@ -166,8 +201,9 @@ def main() -> None:
     decode = decode_rows(args.quick, bandwidth)
     prefill = prefill_rows(args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "paged_attention.json").write_text(json.dumps(
-        {"copy_bandwidth_gbs": bandwidth, "decode": decode, "prefill": prefill}, indent=2))
+    (args.out / "paged_attention.json").write_text(
+        json.dumps({"copy_bandwidth_gbs": bandwidth, "decode": decode, "prefill": prefill}, indent=2)
+    )
     plot(decode, args.out / "paged_attention.png")
     print_tables(decode, prefill, bandwidth)
 

@@ -26,19 +26,26 @@ MODEL = "tiny-llama"
 
 
 def _engine(model, tokenizer, **kwargs) -> LLMEngine:
-    args = dict(model=MODEL, block_size=16, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256,
-                num_gpu_blocks_override=1024)
+    args = dict(
+        model=MODEL,
+        block_size=16,
+        max_model_len=512,
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        num_gpu_blocks_override=1024,
+    )
     return LLMEngine(model, tokenizer, EngineArgs(**{**args, **kwargs}))
 
 
 def _workload(n: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         prompt = rng.integers(0, 256, int(rng.integers(8, 32))).tolist()
         length = int(rng.choice([4, 8, 16, 32, 384], p=[0.3, 0.3, 0.2, 0.14, 0.06]))  # most short, a few very long
-        out.append((prompt, SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True,
-                                           output_kind="final_only")))
+        out.append(
+            (prompt, SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True, output_kind="final_only"))
+        )
     return out
 
 
@@ -50,7 +57,7 @@ def throughput(model, tokenizer, n: int, batch: int) -> dict:
     for mode in ("continuous", "static"):
         t0 = time.perf_counter()
         tokens = 0
-        groups = [work] if mode == "continuous" else [work[i:i + batch] for i in range(0, n, batch)]
+        groups = [work] if mode == "continuous" else [work[i : i + batch] for i in range(0, n, batch)]
         for g, group in enumerate(tqdm(groups, desc=mode, leave=False)):
             for i, (prompt, params) in enumerate(group):
                 eng.add_request(f"{mode}-{g}-{i}", prompt, params)
@@ -85,13 +92,20 @@ def ttft(model, tokenizer, n: int, prefix_len: int) -> dict:
 def host_overhead(model, tokenizer, running: int, steps: int) -> dict:
     """Host time per step with `running` decoding requests: the whole EngineCore.step() minus the time
     it waits for the device; and the frontend's output processing (detokenizing) of that step."""
-    eng = _engine(model, tokenizer, max_num_seqs=running, max_num_batched_tokens=max(512, running),
-                  num_gpu_blocks_override=running * 8)
+    eng = _engine(
+        model,
+        tokenizer,
+        max_num_seqs=running,
+        max_num_batched_tokens=max(512, running),
+        num_gpu_blocks_override=running * 8,
+    )
     rng = np.random.default_rng(2)
     for i in range(running):
-        eng.add_request(f"h{i}", rng.integers(0, 256, 16).tolist(),
-                        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=1000, ignore_eos=True, seed=i,
-                                       output_kind="delta"))
+        eng.add_request(
+            f"h{i}",
+            rng.integers(0, 256, 16).tolist(),
+            SamplingParams(temperature=0.8, top_p=0.9, max_tokens=1000, ignore_eos=True, seed=i, output_kind="delta"),
+        )
     core = eng.core
     eng.core.runner.warmup()
     while core.scheduler.waiting or any(s.num_computed_tokens < s.prompt_len for s in core.scheduler.running):
@@ -106,13 +120,17 @@ def host_overhead(model, tokenizer, running: int, steps: int) -> dict:
         eng.output_processor.process(outs)
         frontend.append(time.perf_counter() - t0)
     assert core.stats().num_running == running
-    return {"running": running, "ms_per_step_median": 1e3 * float(np.median(host)),
-            "ms_per_step_p90": 1e3 * float(np.percentile(host, 90)),
-            "frontend_ms_per_step_median": 1e3 * float(np.median(frontend))}
+    return {
+        "running": running,
+        "ms_per_step_median": 1e3 * float(np.median(host)),
+        "ms_per_step_p90": 1e3 * float(np.percentile(host, 90)),
+        "frontend_ms_per_step_median": 1e3 * float(np.median(frontend)),
+    }
 
 
 def plot(res: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -144,13 +162,19 @@ def main() -> None:
     (args.out / "serving_offline.json").write_text(json.dumps(res, indent=2))
     plot(res, args.out / "serving_offline.png")
     tp, t, h = res["throughput"], res["ttft"], res["host_overhead"]
-    print(f"\ncontinuous batching: {tp['continuous']['tokens_per_s']:.1f} tok/s   static: "
-          f"{tp['static']['tokens_per_s']:.1f} tok/s   ratio {tp['ratio']:.2f}x (target >= 2x)")
-    print(f"TTFT shared prefix: cached {1e3 * t['cached']:.1f} ms   uncached {1e3 * t['uncached']:.1f} ms   "
-          f"ratio {t['ratio']:.2f}x (target <= 0.3x)")
-    print(f"engine-core host time/step with {h['running']} running (step minus device wait): median "
-          f"{h['ms_per_step_median']:.3f} ms, p90 {h['ms_per_step_p90']:.3f} ms (target < 1 ms); frontend output "
-          f"processing {h['frontend_ms_per_step_median']:.3f} ms/step")
+    print(
+        f"\ncontinuous batching: {tp['continuous']['tokens_per_s']:.1f} tok/s   static: "
+        f"{tp['static']['tokens_per_s']:.1f} tok/s   ratio {tp['ratio']:.2f}x (target >= 2x)"
+    )
+    print(
+        f"TTFT shared prefix: cached {1e3 * t['cached']:.1f} ms   uncached {1e3 * t['uncached']:.1f} ms   "
+        f"ratio {t['ratio']:.2f}x (target <= 0.3x)"
+    )
+    print(
+        f"engine-core host time/step with {h['running']} running (step minus device wait): median "
+        f"{h['ms_per_step_median']:.3f} ms, p90 {h['ms_per_step_p90']:.3f} ms (target < 1 ms); frontend output "
+        f"processing {h['frontend_ms_per_step_median']:.3f} ms/step"
+    )
 
 
 if __name__ == "__main__":

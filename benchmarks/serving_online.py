@@ -42,17 +42,35 @@ def make_prompts(n: int, kind: str, input_len: int, seed: int) -> list[str]:
     shared = " ".join(rng.choice(words) for _ in range(input_len))
     out = []
     for _ in range(n):
-        tail = " ".join(rng.choice(words) for _ in range(max(1, input_len // 8 if kind == "shared-prefix" else
-                                                            rng.randint(input_len // 2, input_len * 3 // 2))))
+        tail = " ".join(
+            rng.choice(words)
+            for _ in range(
+                max(1, input_len // 8 if kind == "shared-prefix" else rng.randint(input_len // 2, input_len * 3 // 2))
+            )
+        )
         out.append(f"{shared} {tail}" if kind == "shared-prefix" else tail)
     return out
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                      drop_after: int | None, api_key: str | None) -> Result:
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    drop_after: int | None,
+    api_key: str | None,
+) -> Result:
     res = Result()
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
     last = None
@@ -96,13 +114,24 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     return res
 
 
-async def run_load(url: str, model: str, prompts: list[str], *, rate: float | None, arrival: str,
-                   concurrency: int | None, max_tokens: int, drop_fraction: float, api_key: str | None,
-                   seed: int = 0) -> tuple[list[Result], float]:
+async def run_load(
+    url: str,
+    model: str,
+    prompts: list[str],
+    *,
+    rate: float | None,
+    arrival: str,
+    concurrency: int | None,
+    max_tokens: int,
+    drop_fraction: float,
+    api_key: str | None,
+    seed: int = 0,
+) -> tuple[list[Result], float]:
     rng = np.random.default_rng(seed)
     limits = httpx.Limits(max_connections=concurrency or len(prompts), max_keepalive_connections=64)
     sem = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
         async def task(prompt: str) -> Result:
             drop = int(rng.integers(1, 4)) if rng.random() < drop_fraction else None
             async with sem:
@@ -125,34 +154,48 @@ def summarize(results: list[Result], seconds: float) -> dict:
         if not xs:
             return {}
         a = np.asarray(xs) * 1e3
-        return {"mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)),
-                "p90_ms": float(np.percentile(a, 90)), "p99_ms": float(np.percentile(a, 99))}
+        return {
+            "mean_ms": float(a.mean()),
+            "p50_ms": float(np.percentile(a, 50)),
+            "p90_ms": float(np.percentile(a, 90)),
+            "p99_ms": float(np.percentile(a, 99)),
+        }
 
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
     statuses: dict[str, int] = {}
     for r in results:
         statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
     return {
-        "requests": len(results), "completed": len(ok), "dropped": sum(r.dropped for r in results),
-        "statuses": statuses, "server_errors": sum(r.status >= 500 for r in results),
+        "requests": len(results),
+        "completed": len(ok),
+        "dropped": sum(r.dropped for r in results),
+        "statuses": statuses,
+        "server_errors": sum(r.status >= 500 for r in results),
         "malformed": sum(1 for r in results if r.status == 200 and not r.dropped and not r.well_formed),
-        "seconds": seconds, "request_throughput": len(ok) / seconds,
+        "seconds": seconds,
+        "request_throughput": len(ok) / seconds,
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / seconds,
-        "ttft": stats([r.ttft for r in ok if r.ttft is not None]), "tpot": stats(tpot),
+        "ttft": stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot": stats(tpot),
         "itl": stats([x for r in ok for x in r.itl]),
     }
 
 
 def print_summary(s: dict, label: str = "") -> None:
-    print(f"\n{label}requests {s['requests']}  completed {s['completed']}  dropped {s['dropped']}  "
-          f"statuses {s['statuses']}  5xx {s['server_errors']}  malformed {s['malformed']}")
-    print(f"  {s['request_throughput']:.2f} req/s   {s['output_tokens_per_s']:.1f} output tok/s   "
-          f"({s['seconds']:.1f} s)")
+    print(
+        f"\n{label}requests {s['requests']}  completed {s['completed']}  dropped {s['dropped']}  "
+        f"statuses {s['statuses']}  5xx {s['server_errors']}  malformed {s['malformed']}"
+    )
+    print(
+        f"  {s['request_throughput']:.2f} req/s   {s['output_tokens_per_s']:.1f} output tok/s   ({s['seconds']:.1f} s)"
+    )
     for key in ("ttft", "tpot", "itl"):
         v = s[key]
         if v:
-            print(f"  {key.upper():<5} mean {v['mean_ms']:8.1f}  p50 {v['p50_ms']:8.1f}  p90 {v['p90_ms']:8.1f}  "
-                  f"p99 {v['p99_ms']:8.1f} ms")
+            print(
+                f"  {key.upper():<5} mean {v['mean_ms']:8.1f}  p50 {v['p50_ms']:8.1f}  p90 {v['p90_ms']:8.1f}  "
+                f"p99 {v['p99_ms']:8.1f} ms"
+            )
 
 
 @contextlib.contextmanager
@@ -171,8 +214,10 @@ def pool_whole(url: str) -> bool:
     """Whether every KV block is free again (from the server's metrics)."""
     import httpx
 
-    return any(line.startswith("jaxinfra:kv_cache_usage_perc") and float(line.split()[-1]) == 0.0
-               for line in httpx.get(f"{url}/metrics").text.splitlines())
+    return any(
+        line.startswith("jaxinfra:kv_cache_usage_perc") and float(line.split()[-1]) == 0.0
+        for line in httpx.get(f"{url}/metrics").text.splitlines()
+    )
 
 
 def main() -> None:
@@ -197,14 +242,27 @@ def main() -> None:
         p.error("give --url or --local")
     prompts = make_prompts(args.num_requests, args.prompt, args.input_len, seed=0)
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
-    with (local_server(args.local, max_model_len=args.max_model_len, max_num_seqs=64, max_num_batched_tokens=256)
-          if args.local else contextlib.nullcontext((args.url, None))) as (url, eng):
+    with (
+        local_server(args.local, max_model_len=args.max_model_len, max_num_seqs=64, max_num_batched_tokens=256)
+        if args.local
+        else contextlib.nullcontext((args.url, None))
+    ) as (url, eng):
         model = args.model or args.local
         summaries = []
         for rate in rates:
-            results, seconds = asyncio.run(run_load(
-                url, model, prompts, rate=rate, arrival=args.arrival, concurrency=args.concurrency,
-                max_tokens=args.output_len, drop_fraction=args.drop_fraction, api_key=args.api_key))
+            results, seconds = asyncio.run(
+                run_load(
+                    url,
+                    model,
+                    prompts,
+                    rate=rate,
+                    arrival=args.arrival,
+                    concurrency=args.concurrency,
+                    max_tokens=args.output_len,
+                    drop_fraction=args.drop_fraction,
+                    api_key=args.api_key,
+                )
+            )
             s = summarize(results, seconds)
             s["rate"] = rate
             if eng is not None:
@@ -220,14 +278,24 @@ def main() -> None:
     (args.out / "serving_online.json").write_text(json.dumps(summaries, indent=2))
     if len(summaries) > 1:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(7, 4))
         for key in ("ttft", "tpot"):
-            ax.plot([s["rate"] for s in summaries], [s[key].get("p50_ms", np.nan) for s in summaries], "o-",
-                    label=f"{key.upper()} p50")
-            ax.plot([s["rate"] for s in summaries], [s[key].get("p99_ms", np.nan) for s in summaries], "x--",
-                    label=f"{key.upper()} p99")
+            ax.plot(
+                [s["rate"] for s in summaries],
+                [s[key].get("p50_ms", np.nan) for s in summaries],
+                "o-",
+                label=f"{key.upper()} p50",
+            )
+            ax.plot(
+                [s["rate"] for s in summaries],
+                [s[key].get("p99_ms", np.nan) for s in summaries],
+                "x--",
+                label=f"{key.upper()} p99",
+            )
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel("ms")
         ax.set_yscale("log")

@@ -55,8 +55,9 @@ def free_port() -> int:
 def server(cmd: list[str], port: int, env: dict[str, str], log: Path, timeout: float = 1200):
     """Start a server, wait until /health answers 200, stop it afterwards."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + timeout
             while True:
@@ -79,15 +80,53 @@ def server(cmd: list[str], port: int, env: dict[str, str], log: Path, timeout: f
 
 def bench(vllm_python: str, script: Path, url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
     name = f"c{concurrency}.json"
-    cmd = [vllm_python, str(script), "--backend", "vllm", "--base-url", url, "--model", DEFAULT_MODEL_NAME,
-           "--tokenizer", DEFAULT_MODEL, "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--ignore-eos", "--temperature", "0", "--seed", "0",
-           "--num-prompts", str(max(args.prompts_per_concurrency * concurrency, args.min_prompts)),
-           "--max-concurrency", str(concurrency), "--save-result", "--result-dir", str(out), "--result-filename", name]
+    cmd = [
+        vllm_python,
+        str(script),
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--model",
+        DEFAULT_MODEL_NAME,
+        "--tokenizer",
+        DEFAULT_MODEL,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--num-prompts",
+        str(max(args.prompts_per_concurrency * concurrency, args.min_prompts)),
+        "--max-concurrency",
+        str(concurrency),
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        name,
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
     r = json.loads((out / name).read_text())
-    return {k: r[k] for k in ("completed", "failed", "output_throughput", "median_tpot_ms", "median_ttft_ms",
-                              "p99_tpot_ms", "median_itl_ms", "duration")}
+    return {
+        k: r[k]
+        for k in (
+            "completed",
+            "failed",
+            "output_throughput",
+            "median_tpot_ms",
+            "median_ttft_ms",
+            "p99_tpot_ms",
+            "median_itl_ms",
+            "duration",
+        )
+    }
 
 
 def main() -> None:
@@ -109,9 +148,23 @@ def main() -> None:
     (scripts / "bench.py").write_text(VLLM_BENCH)
     servers = {
         "ours": ([sys.executable, "-m", "serve", "--config", args.config, "--port", "{port}"], {}),
-        "vllm": ([args.vllm_python, str(scripts / "server.py"), "--model", DEFAULT_MODEL, "--served-model-name",
-                  DEFAULT_MODEL_NAME, "--max-model-len", "256", "--dtype", "float32", "--port", "{port}"],
-                 {"VLLM_CPU_KVCACHE_SPACE": "1"}),
+        "vllm": (
+            [
+                args.vllm_python,
+                str(scripts / "server.py"),
+                "--model",
+                DEFAULT_MODEL,
+                "--served-model-name",
+                DEFAULT_MODEL_NAME,
+                "--max-model-len",
+                "256",
+                "--dtype",
+                "float32",
+                "--port",
+                "{port}",
+            ],
+            {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        ),
     }
     results: dict[str, dict[int, dict]] = {}
     for name, (cmd, env) in servers.items():
@@ -123,22 +176,28 @@ def main() -> None:
             for c in levels:
                 results[name][c] = bench(args.vllm_python, scripts / "bench.py", url, c, args, args.out / name)
                 r = results[name][c]
-                print(f"{name:5s} c={c:<4d} {r['output_throughput']:8.1f} tok/s  TPOT p50 {r['median_tpot_ms']:7.1f} ms  "
-                      f"TTFT p50 {r['median_ttft_ms']:8.1f} ms  ({r['completed']} ok, {r['failed']} failed)", flush=True)
+                print(
+                    f"{name:5s} c={c:<4d} {r['output_throughput']:8.1f} tok/s  TPOT p50 {r['median_tpot_ms']:7.1f} ms  "
+                    f"TTFT p50 {r['median_ttft_ms']:8.1f} ms  ({r['completed']} ok, {r['failed']} failed)",
+                    flush=True,
+                )
     (args.out / "serving_vs_vllm.json").write_text(json.dumps(results, indent=2))
     if len(results) == 2:
         print("\n| concurrency | jaxinfra output tok/s | vLLM-CPU output tok/s | ratio | median TPOT ours / vLLM |")
         print("| --- | --- | --- | --- | --- |")
         for c in levels:
             o, v = results["ours"][c], results["vllm"][c]
-            print(f"| {c} | {o['output_throughput']:.0f} | {v['output_throughput']:.0f} | "
-                  f"{o['output_throughput'] / v['output_throughput']:.2f} | "
-                  f"{o['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} ms |")
+            print(
+                f"| {c} | {o['output_throughput']:.0f} | {v['output_throughput']:.0f} | "
+                f"{o['output_throughput'] / v['output_throughput']:.2f} | "
+                f"{o['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} ms |"
+            )
         plot(results, levels, args.out / "serving_vs_vllm.png")
 
 
 def plot(results: dict, levels: list[int], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -2,8 +2,8 @@
 
 GPU:   python -m benchmarks.train_throughput --model llama-3.2-1b --seq-len 4096 --batch 4
 CPU smoke: python -m benchmarks.train_throughput --quick
-MFU = (6 x params + 6 x layers x heads x head_dim x seq_len) FLOPs per token (causal attention counted
-once forward at half the full matrix, x3 with backward) x tokens/s, over the measured bf16 matmul peak.
+MFU = jaxinfra.train.throughput.flops_per_token (PaLM's accounting, the one `jaxinfra train` logs) x
+tokens/s, over the measured bf16 matmul peak.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from flax import nnx
 from benchmarks.common import matmul_peak_tflops, time_fn
 from jaxinfra.loading import load_config
 from jaxinfra.models import LlamaModel
-from jaxinfra.train import TrainConfig, Trainer
+from jaxinfra.train import OptimConfig, TrainConfig, Trainer
+from jaxinfra.train.throughput import flops_per_token
 from sharding import MeshConfig, get_rules, make_mesh
-
-
-def flops_per_token(cfg, seq_len: int) -> float:
-    return 6 * cfg.num_params + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 
 
 def main() -> None:
@@ -41,13 +38,18 @@ def main() -> None:
         args.model, args.seq_len, args.batch = "tiny-llama", 64, 2
     cfg = load_config(args.model).replace(dtype="float32")
     model = LlamaModel(cfg, nnx.Rngs(0))
-    trainer = Trainer(model, make_mesh(MeshConfig(-1, 1, 1)), get_rules(args.preset),
-                      TrainConfig(remat=args.remat, compute_dtype="bfloat16", warmup_steps=1, total_steps=1000))
+    trainer = Trainer(
+        model,
+        make_mesh(MeshConfig(-1, 1, 1)),
+        get_rules(args.preset),
+        TrainConfig(OptimConfig(warmup_steps=1, total_steps=1000), remat=args.remat, compute_dtype="bfloat16"),
+    )
     del model
     state = trainer.init_state()
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
-    batch = trainer.shard_batch(dict(input_ids=ids[:, :-1], targets=ids[:, 1:],
-                                     loss_mask=np.ones((args.batch, args.seq_len), np.int32)))
+    batch = trainer.shard_batch(
+        dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((args.batch, args.seq_len), np.int32))
+    )
     holder = {"state": state}
 
     def step():
@@ -58,13 +60,23 @@ def main() -> None:
     tokens = args.batch * args.seq_len / seconds
     peak = matmul_peak_tflops(n=256 if args.quick else 8192)
     mfu = flops_per_token(cfg, args.seq_len) * tokens / (peak * 1e12)
-    result = {"model": args.model, "seq_len": args.seq_len, "batch": args.batch, "remat": args.remat,
-              "step_s": seconds, "tokens_per_s": tokens, "peak_tflops": peak, "mfu": mfu,
-              "devices": len(jax.devices())}
+    result = {
+        "model": args.model,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "remat": args.remat,
+        "step_s": seconds,
+        "tokens_per_s": tokens,
+        "peak_tflops": peak,
+        "mfu": mfu,
+        "devices": len(jax.devices()),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_throughput.json").write_text(json.dumps(result, indent=2))
-    print(f"\ntrain step {args.model} batch {args.batch} x seq {args.seq_len} ({args.remat} remat, bf16 compute): "
-          f"{seconds * 1e3:.1f} ms/step, {tokens:,.0f} tokens/s, MFU {100 * mfu:.1f}% of {peak:.0f} TFLOP/s")
+    print(
+        f"\ntrain step {args.model} batch {args.batch} x seq {args.seq_len} ({args.remat} remat, bf16 compute): "
+        f"{seconds * 1e3:.1f} ms/step, {tokens:,.0f} tokens/s, MFU {100 * mfu:.1f}% of {peak:.0f} TFLOP/s"
+    )
 
 
 if __name__ == "__main__":

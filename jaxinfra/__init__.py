@@ -8,6 +8,15 @@ from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 
 __all__ = [
-    "GenerationConfig", "LlamaModel", "ModelConfig", "RopeScaling", "Tokenizer", "export_hf", "generate",
-    "generate_text", "load_config", "load_model", "load_tokenizer",
+    "GenerationConfig",
+    "LlamaModel",
+    "ModelConfig",
+    "RopeScaling",
+    "Tokenizer",
+    "export_hf",
+    "generate",
+    "generate_text",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
 ]

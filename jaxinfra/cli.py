@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from jaxinfra.config import DTYPES
 from jaxinfra.loading import DEFAULT_MODEL
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -32,8 +33,9 @@ def _human(n: float) -> str:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from serve import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
     llm = LLM(args.model, dtype=args.dtype or "auto", max_model_len=args.max_model_len)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
@@ -61,8 +63,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train(cfg, progress=not args.no_progress)
     if jax.process_index() == 0:
         loss = "n/a" if result.eval_loss is None else f"{result.eval_loss:.4f}"
-        print(f"trained {result.start_step} -> {result.final_step} steps; eval loss {loss} "
-              f"(unigram entropy {result.unigram_entropy:.4f}); outputs in {result.out_dir}")
+        print(
+            f"trained {result.start_step} -> {result.final_step} steps; eval loss {loss} "
+            f"(unigram entropy {result.unigram_entropy:.4f}); outputs in {result.out_dir}"
+        )
     return 0
 
 
@@ -73,8 +77,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfra.loading import load_model, load_tokenizer
 
     model = load_model(args.model, dtype=args.dtype)
-    out = export_hf(model, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                    tokenizer_dir=args.model if Path(args.model).is_dir() else None)
+    out = export_hf(
+        model,
+        args.out,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_size,
+        tokenizer_dir=args.model if Path(args.model).is_dir() else None,
+    )
     if not Path(args.model).is_dir():
         load_tokenizer(args.model).save(out)
     print(f"wrote {out}")
@@ -92,9 +101,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
     n = cfg.num_params
     rows = [
         ("model", str(args.model)),
-        ("architecture", f"{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-                         f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, "
-                         f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}"),
+        (
+            "architecture",
+            f"{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+            f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, "
+            f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}",
+        ),
         ("parameters", f"{n:,}"),
         (f"weight bytes ({dtype})", f"{n * width:,} ({_human(n * width)})"),
         (f"kv-cache bytes/token ({dtype})", f"{cfg.kv_bytes_per_token(width):,}"),
@@ -120,8 +132,10 @@ def _cmd_plan_train(args: argparse.Namespace) -> int:
 
     train_cfg = TrainConfig(remat=args.remat, microbatches=args.microbatches)
     rows = memory_report(load_config(args.model), mesh, presets, args.batch, args.seq_len, train_cfg)
-    print(f"{args.model} on mesh (data, fsdp, tensor) = {mesh.shape(len(jax.devices()))}, "
-          f"batch {args.batch} x {args.seq_len} tokens, remat {args.remat}, {args.microbatches} microbatch(es)")
+    print(
+        f"{args.model} on mesh (data, fsdp, tensor) = {mesh.shape(len(jax.devices()))}, "
+        f"batch {args.batch} x {args.seq_len} tokens, remat {args.remat}, {args.microbatches} microbatch(es)"
+    )
     print(format_report(rows))
     return 0
 
@@ -131,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `jaxinfra serve --help`)", add_help=False)
     model_help = "local Hugging Face directory, training run directory or preset name (default: the embedded model)"
-    dtypes = ("float32", "bfloat16", "float16")
+    dtypes = DTYPES
 
     gen = sub.add_parser("generate", help="generate text with the serving engine")
     gen.add_argument("--model", default=DEFAULT_MODEL, help=model_help)

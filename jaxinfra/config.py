@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/, shipped in the package
 MODEL_PRESETS_DIR = CONFIGS_DIR / "models"
 
 # HF model_type -> (architecture class name written on export).
@@ -49,7 +49,7 @@ class ModelConfig:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int | None = None
+    head_dim: int = 0  # 0: hidden_size // num_heads
     model_type: str = "llama"
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -72,19 +72,29 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
         object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id or ()))
-        if self.head_dim is None:
+        if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"ModelConfig.model_type: unsupported {self.model_type!r}; "
-                             f"supported: {sorted(ARCHITECTURES)}")
+            raise ValueError(
+                f"ModelConfig.model_type: unsupported {self.model_type!r}; supported: {sorted(ARCHITECTURES)}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -105,12 +115,12 @@ class ModelConfig:
         """KV-cache bytes one token occupies across all layers (K and V)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # --- YAML presets -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -121,12 +131,12 @@ class ModelConfig:
             raise ValueError(f"{source}: {e}") from e
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "ModelConfig":
+    def from_yaml(cls, path: str | Path) -> ModelConfig:
         with open(path) as f:
             return cls.from_dict(yaml.safe_load(f) or {}, source=str(path))
 
     @classmethod
-    def from_preset(cls, name: str) -> "ModelConfig":
+    def from_preset(cls, name: str) -> ModelConfig:
         path = MODEL_PRESETS_DIR / f"{name}.yaml"
         if not path.is_file():
             raise ValueError(f"unknown model preset {name!r}; available: {list_presets()}")
@@ -134,17 +144,22 @@ class ModelConfig:
 
     # --- Hugging Face config.json ---------------------------------------------------------------
     @classmethod
-    def from_hf(cls, config: str | Path | dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, config: str | Path | dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config.json (path, directory or dict), transformers v4 or v5 style."""
-        if not isinstance(config, dict):
+        if isinstance(config, dict):
+            data: dict[str, Any] = config
+        else:
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
             with open(path) as f:
-                config = json.load(f)
+                data = json.load(f)
+        config = data
         model_type = config.get("model_type")
         if model_type not in ARCHITECTURES:
-            raise ValueError(f"config.json: unsupported model_type {model_type!r} "
-                             f"(architectures {config.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
+            raise ValueError(
+                f"config.json: unsupported model_type {model_type!r} "
+                f"(architectures {config.get('architectures')}); supported: {sorted(ARCHITECTURES)}"
+            )
         if config.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported")
         if config.get("hidden_act", "silu") != "silu":
@@ -172,7 +187,7 @@ class ModelConfig:
             num_layers=config["num_hidden_layers"],
             num_heads=config["num_attention_heads"],
             num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            head_dim=config.get("head_dim"),
+            head_dim=config.get("head_dim") or 0,
             model_type=model_type,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),

@@ -44,8 +44,17 @@ class GenerationConfig:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p"), donate_argnums=(2,))
 def _step(
-    graphdef: nnx.GraphDef, state: nnx.State, caches: list[KVCache], ids: jax.Array, positions: jax.Array,
-    last_index: jax.Array, key: jax.Array, *, temperature: float, top_k: int, top_p: float,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    caches: list[KVCache],
+    ids: jax.Array,
+    positions: jax.Array,
+    last_index: jax.Array,
+    key: jax.Array,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
 ) -> tuple[jax.Array, list[KVCache]]:
     """Write `ids` into the caches at `positions`, then sample the token after `last_index`."""
     model = nnx.merge(graphdef, state)
@@ -55,7 +64,9 @@ def _step(
 
 
 def generate(
-    model: LlamaModel, prompts: Sequence[Sequence[int]], config: GenerationConfig = GenerationConfig(),
+    model: LlamaModel,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig = GenerationConfig(),
     eos_token_ids: Sequence[int] = (),
 ) -> list[list[int]]:
     """New token ids per prompt (ending with the EOS token when one is produced)."""
@@ -66,8 +77,10 @@ def generate(
     batch, width = len(prompts), int(lens.max())
     max_len = width + config.max_new_tokens
     if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({width}) + max_new_tokens ({config.max_new_tokens}) exceeds "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+        raise ValueError(
+            f"prompt ({width}) + max_new_tokens ({config.max_new_tokens}) exceeds "
+            f"max_position_embeddings ({cfg.max_position_embeddings})"
+        )
     ids = np.zeros((batch, width), np.int32)
     for i, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= cfg.vocab_size:
@@ -78,8 +91,16 @@ def generate(
     key = jax.random.key(config.seed)
     caches = model.init_caches(batch, max_len)
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), (batch, width))
-    tokens, caches = _step(graphdef, state, caches, jnp.asarray(ids), jnp.asarray(positions),
-                           jnp.asarray(lens - 1), jax.random.fold_in(key, 0), **sampling)
+    tokens, caches = _step(
+        graphdef,
+        state,
+        caches,
+        jnp.asarray(ids),
+        jnp.asarray(positions),
+        jnp.asarray(lens - 1),
+        jax.random.fold_in(key, 0),
+        **sampling,
+    )
     eos = set(eos_token_ids) if config.stop_at_eos else set()
     outputs: list[list[int]] = [[] for _ in prompts]
     done = np.zeros(batch, bool)
@@ -91,13 +112,24 @@ def generate(
         if done.all() or step == config.max_new_tokens - 1:
             break
         positions = (lens + step)[:, None]
-        tokens, caches = _step(graphdef, state, caches, tokens[:, None], jnp.asarray(positions),
-                               jnp.zeros(batch, jnp.int32), jax.random.fold_in(key, step + 1), **sampling)
+        tokens, caches = _step(
+            graphdef,
+            state,
+            caches,
+            tokens[:, None],
+            jnp.asarray(positions),
+            jnp.zeros(batch, jnp.int32),
+            jax.random.fold_in(key, step + 1),
+            **sampling,
+        )
     return outputs
 
 
 def generate_text(
-    model: LlamaModel, tokenizer: Tokenizer, prompts: Sequence[str], config: GenerationConfig = GenerationConfig(),
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    config: GenerationConfig = GenerationConfig(),
 ) -> list[str]:
     """Encode, generate, decode (special tokens dropped)."""
     eos = tuple(dict.fromkeys([*model.cfg.eos_token_id, *tokenizer.eos_token_ids]))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from flax import nnx
 
 from jaxinfra.checkpoint import load_hf_model, restore_params
 from jaxinfra.checkpoint.hf import abstract_model
-from jaxinfra.config import ModelConfig, list_presets
+from jaxinfra.config import DTYPES, ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 
@@ -30,13 +31,30 @@ def _resolve(path_or_preset: str | Path) -> Path | str:
         return path
     if str(path_or_preset) in list_presets():
         return str(path_or_preset)
-    raise ValueError(f"model {str(path_or_preset)!r} is neither a local directory nor a preset "
-                     f"({', '.join(list_presets())})")
+    raise ValueError(
+        f"model {str(path_or_preset)!r} is neither a local directory nor a preset ({', '.join(list_presets())})"
+    )
 
 
-def load_model(path_or_preset: str | Path = DEFAULT_MODEL, dtype: str | None = None, *,
-               attn_impl: str | None = None, seed: int = 0) -> LlamaModel:
-    """Weights from a local HF directory, or random-init (seeded) weights for a preset."""
+def dtype_name(dtype: Any) -> str | None:
+    """ "bfloat16", jnp.bfloat16, np.float32, jnp.dtype("float16")... as ModelConfig's dtype name."""
+    if dtype is None:
+        return None
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError as e:
+        raise ValueError(f"dtype must be one of {DTYPES} (a name or a dtype), got {dtype!r}") from e
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} (a name or a dtype), got {dtype!r}")
+    return name
+
+
+def load_model(
+    path_or_preset: str | Path = DEFAULT_MODEL, dtype: Any = None, *, attn_impl: str | None = None, seed: int = 0
+) -> LlamaModel:
+    """Weights from a local HF directory, or random-init (seeded) weights for a preset. `dtype` is a
+    name ("bfloat16") or a dtype (jnp.bfloat16, np.float32); None keeps the checkpoint's."""
+    dtype = dtype_name(dtype)
     where = _resolve(path_or_preset)
     if is_run_dir(Path(path_or_preset)):
         return _load_run(Path(path_or_preset), dtype, attn_impl)
@@ -72,8 +90,9 @@ def _load_run(run_dir: Path, dtype: str | None, attn_impl: str | None) -> LlamaM
     cfg = cfg.replace(dtype=dtype) if dtype else cfg
     graphdef, state = abstract_model(cfg, attn_impl)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device),
-                          nnx.to_pure_dict(state))
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device), nnx.to_pure_dict(state)
+    )
     params, _ = restore_params(run_dir / "checkpoints", target)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: x.astype(cfg.dtype), params))
     return nnx.merge(graphdef, state)

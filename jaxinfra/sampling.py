@@ -1,4 +1,8 @@
-"""Token sampling from logits: greedy, temperature, top-k and top-p (nucleus)."""
+"""Token sampling from logits: greedy, temperature, top-k, top-p (nucleus) and min-p.
+
+The filters take a value per row (or one for all rows); the serving sampler (serve/sampler.py) and
+the reference generator both use them.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,42 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+PerRow = Float[Array, " B"] | float
+PerRowInt = Int[Array, " B"] | int
 
-def filter_logits(logits: Float[Array, "B V"], *, top_k: int = 0, top_p: float = 1.0) -> Float[Array, "B V"]:
-    """Set to -inf every logit outside the top-k and outside the smallest set with mass >= top_p."""
-    if top_k > 0:
-        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < top_p
-        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return logits
+
+def _col(x: PerRow | PerRowInt) -> jax.Array:
+    x = jnp.asarray(x)
+    return x[:, None] if x.ndim else x
+
+
+def top_p_min_p_cutoff(sorted_desc: Float[Array, "B K"], top_p: PerRow, min_p: PerRow) -> Float[Array, "B 1"]:
+    """The smallest logit each row keeps under top-p (smallest set with mass >= top_p) and min-p
+    (probability >= min_p x the top one), given its candidate logits sorted descending."""
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < _col(top_p)) & (probs >= _col(min_p) * probs[:, :1])
+    return jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+
+
+def filter_logits(
+    logits: Float[Array, "B V"], *, top_k: PerRowInt = 0, top_p: PerRow = 1.0, min_p: PerRow = 0.0
+) -> Float[Array, "B V"]:
+    """Set to -inf every logit outside the top-k (0 = off), top-p and min-p sets of its row."""
+    v = logits.shape[-1]
+    top_k = _col(top_k)
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take_along_axis(
+        sorted_desc, jnp.broadcast_to(jnp.clip(top_k - 1, 0, v - 1), (logits.shape[0], 1)), axis=-1
+    )
+    sorted_desc = jnp.where((top_k <= 0) | (sorted_desc >= kth), sorted_desc, -jnp.inf)
+    keep = ((top_k <= 0) | (logits >= kth)) & (logits >= top_p_min_p_cutoff(sorted_desc, top_p, min_p))
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def sample_logits(
     logits: Float[Array, "B V"], key: jax.Array, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
-) -> Int[Array, "B"]:
+) -> Int[Array, " B"]:
     """One token per row; temperature 0 is greedy (argmax)."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import jinja2
 import jinja2.ext
@@ -27,7 +27,7 @@ BYTE_CHAT_TEMPLATE = (
 class _GenerationTag(jinja2.ext.Extension):
     """Accepts HF's `{% generation %}...{% endgeneration %}` markers and renders their body."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 - jinja2 declares it a set
 
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)
@@ -38,15 +38,21 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _compile_template(source: str) -> jinja2.Template:
     """Compile a chat template the way transformers does, in an immutable sandbox."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -60,21 +66,26 @@ def _token_content(value: Any) -> str | None:
 class Tokenizer:
     """Text <-> token ids, HF-compatible special tokens and chat-template rendering."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, config: dict[str, Any] | None = None,
-                 extra_eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, tok: tokenizers.Tokenizer, config: dict[str, Any] | None = None, extra_eos_ids: tuple[int, ...] = ()
+    ) -> None:
         self.tok = tok
         self.config = dict(config or {})
-        self.special_tokens = {k: _token_content(self.config.get(k)) for k in SPECIAL_TOKEN_KEYS
-                               if _token_content(self.config.get(k)) is not None}
+        self.special_tokens = {
+            k: _token_content(self.config.get(k))
+            for k in SPECIAL_TOKEN_KEYS
+            if _token_content(self.config.get(k)) is not None
+        }
         template = self.config.get("chat_template")
         if isinstance(template, list):
             template = {t["name"]: t["template"] for t in template}.get("default")
         self.chat_template: str | None = template
-        ids = [self.token_to_id(self.special_tokens["eos_token"])] if "eos_token" in self.special_tokens else []
+        eos = self.special_tokens.get("eos_token")
+        ids = [self.token_to_id(eos)] if eos is not None else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in [*ids, *extra_eos_ids] if i is not None))
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path}: no tokenizer.json")
@@ -90,7 +101,7 @@ class Tokenizer:
         return cls(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), config, extra)
 
     @classmethod
-    def byte_level(cls) -> "Tokenizer":
+    def byte_level(cls) -> Tokenizer:
         """A byte-level tokenizer (256 byte tokens + specials) for random-weight presets."""
         alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
         tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -99,25 +110,33 @@ class Tokenizer:
         return cls._with_chat_specials(tok)
 
     @classmethod
-    def train_bpe(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
+    def train_bpe(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:
         """A byte-level BPE tokenizer trained on `texts` (GPT-2 style word splitting), with the same
         special tokens and chat template as byte_level(); the specials take ids 0-4."""
         tok = tokenizers.Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         trainer = tokenizers.trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=list(BYTE_SPECIALS), show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+            vocab_size=vocab_size,
+            special_tokens=list(BYTE_SPECIALS),
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tok.train_from_iterator(texts, trainer)
         return cls._with_chat_specials(tok)
 
     @classmethod
-    def _with_chat_specials(cls, tok: tokenizers.Tokenizer) -> "Tokenizer":
+    def _with_chat_specials(cls, tok: tokenizers.Tokenizer) -> Tokenizer:
         tok.decoder = decoders.ByteLevel()
         bos = BYTE_SPECIALS[0]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))])
-        config = {"bos_token": BYTE_SPECIALS[0], "eos_token": BYTE_SPECIALS[1],
-                  "chat_template": BYTE_CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
+        config = {
+            "bos_token": BYTE_SPECIALS[0],
+            "eos_token": BYTE_SPECIALS[1],
+            "chat_template": BYTE_CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
         return cls(tok, config)
 
     def save(self, path: str | Path) -> None:
@@ -141,8 +160,30 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @overload
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False,
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[True],
+        **kwargs: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ...,
+        **kwargs: Any,
+    ) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` with the model's chat template; ids without re-adding BOS if tokenize."""
@@ -151,6 +192,6 @@ class Tokenizer:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         text = _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            **self.special_tokens, **kwargs)
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text

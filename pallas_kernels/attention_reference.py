@@ -23,7 +23,7 @@ def attention_mask(
         mask &= kp <= qp
     if sliding_window is not None:
         mask &= qp - kp < sliding_window
-    if q_segment_ids is not None:
+    if q_segment_ids is not None and kv_segment_ids is not None:
         mask &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     return mask
 
@@ -59,8 +59,14 @@ def mha_reference(
         q_positions = jnp.broadcast_to(jnp.arange(t) + (s - t), (b, t))
     if kv_positions is None:
         kv_positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-    mask = attention_mask(q_positions, kv_positions, causal=causal, q_segment_ids=q_segment_ids,
-                          kv_segment_ids=kv_segment_ids, sliding_window=sliding_window)
+    mask = attention_mask(
+        q_positions,
+        kv_positions,
+        causal=causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sliding_window=sliding_window,
+    )
     qg = q.reshape(b, t, kh, h // kh, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     if logit_softcap is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,14 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.attention_reference import mha_reference
 from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.metadata import (AttentionMetadata, ContiguousCacheMetadata, DenseMetadata, KVCache,
-                                     PagedKVCache, PagedMetadata)
+from pallas_kernels.metadata import (
+    AttentionMetadata,
+    ContiguousCacheMetadata,
+    DenseMetadata,
+    KVCache,
+    PagedKVCache,
+    PagedMetadata,
+)
 from pallas_kernels.paged_attention import paged_attention as paged_attention_pallas
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_paged_attention_pallas
@@ -34,15 +40,23 @@ def _check_impl(impl: str | None) -> str:
 
 
 def _jax_nn_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str, causal: bool,
-    q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
-    sliding_window: int | None, logit_softcap: float | None, scale: float | None,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    implementation: Literal["xla", "cudnn"],
+    causal: bool,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    scale: float | None,
 ) -> jax.Array:
     """jax.nn.dot_product_attention (XLA or cuDNN), a baseline for our kernels."""
     if logit_softcap is not None:
         raise ValueError(f"impl={implementation!r} does not support logit_softcap")
     mask = None
-    if q_segment_ids is not None:
+    if q_segment_ids is not None and kv_segment_ids is not None:
         if implementation == "cudnn":
             raise ValueError("impl='cudnn' does not support segment_ids")
         mask = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
@@ -50,8 +64,8 @@ def _jax_nn_attention(
         raise ValueError(f"impl={implementation!r} needs T == S for causal attention")
     window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=window,
-        implementation=implementation)
+        q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=window, implementation=implementation
+    )
 
 
 def dot_product_attention(
@@ -69,13 +83,19 @@ def dot_product_attention(
 ) -> Float[Array, "B T H D"]:
     """Dense attention (queries aligned to the end of the keys) by the chosen implementation."""
     impl = _check_impl(impl)
-    kwargs = dict(causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    kwargs: dict[str, Any] = dict(
+        causal=causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+    )
     if impl == "reference":
         return mha_reference(q, k, v, **kwargs)
     if impl == "pallas":
         return flash_attention(q, k, v, **kwargs)
-    return _jax_nn_attention(q, k, v, implementation=impl, **kwargs)
+    return _jax_nn_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla", **kwargs)
 
 
 PAGED_IMPLS: tuple[str, ...] = ("pallas", "xla", "reference")
@@ -91,15 +111,26 @@ def paged_impl(impl: str | None) -> str:
     return impl
 
 
-def ragged_paged_attention(
-    q: Float[Array, "N H D"], cache: PagedKVCache, metadata: PagedMetadata, *,
-    sliding_window: int | None = None, logit_softcap: float | None = None, scale: float | None = None,
+def ragged_attention(
+    q: Float[Array, "N H D"],
+    cache: PagedKVCache,
+    metadata: PagedMetadata,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
     impl: str | None = None,
 ) -> Float[Array, "N H D"]:
     """Mixed prefill/decode attention of a flat token batch over the paged cache."""
     impl = paged_impl(impl)
-    kwargs = dict(k_scales=cache.k_scale, v_scales=cache.v_scale, sliding_window=sliding_window,
-                  logit_softcap=logit_softcap, scale=scale, max_q_len=metadata.max_q_len)
+    kwargs: dict[str, Any] = dict(
+        k_scales=cache.k_scale,
+        v_scales=cache.v_scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+        max_q_len=metadata.max_q_len,
+    )
     args = (q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens)
     if impl == "xla":
         return ragged_paged_attention_xla(*args, plan=metadata.plan, **kwargs)
@@ -107,15 +138,26 @@ def ragged_paged_attention(
     return fn(*args, **kwargs)
 
 
-def paged_attention(
-    q: Float[Array, "S H D"], cache: PagedKVCache, block_tables: Int[Array, "S MB"],
-    context_lens: Int[Array, "S"], *, sliding_window: int | None = None, logit_softcap: float | None = None,
-    scale: float | None = None, impl: str | None = None,
+def decode_attention(
+    q: Float[Array, "S H D"],
+    cache: PagedKVCache,
+    block_tables: Int[Array, "S MB"],
+    context_lens: Int[Array, " S"],
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    impl: str | None = None,
 ) -> Float[Array, "S H D"]:
     """Decode attention: one new query per sequence over its pages."""
     impl = paged_impl(impl)
-    kwargs = dict(k_scales=cache.k_scale, v_scales=cache.v_scale, sliding_window=sliding_window,
-                  logit_softcap=logit_softcap, scale=scale)
+    kwargs: dict[str, Any] = dict(
+        k_scales=cache.k_scale,
+        v_scales=cache.v_scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+    )
     if impl == "pallas":
         return paged_attention_pallas(q, cache.k, cache.v, block_tables, context_lens, **kwargs)
     if impl == "reference":
@@ -137,27 +179,37 @@ def attend(
     impl: str | None = None,
 ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
     """The attention layer's single call: store new K/V where the metadata says, then attend."""
-    common = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+    common: dict[str, Any] = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
     if isinstance(metadata, DenseMetadata):
         seg = metadata.segment_ids
-        out = dot_product_attention(q, k, v, causal=metadata.causal, q_segment_ids=seg,
-                                    kv_segment_ids=seg, impl=impl, **common)
+        out = dot_product_attention(
+            q, k, v, causal=metadata.causal, q_segment_ids=seg, kv_segment_ids=seg, impl=impl, **common
+        )
         return out, cache
     if isinstance(metadata, ContiguousCacheMetadata):
         if cache is None:
             raise ValueError("ContiguousCacheMetadata needs a KVCache")
         rows = jnp.arange(q.shape[0])[:, None]
-        cache = KVCache(cache.k.at[rows, metadata.positions].set(k.astype(cache.k.dtype)),
-                        cache.v.at[rows, metadata.positions].set(v.astype(cache.v.dtype)))
+        cache = KVCache(
+            cache.k.at[rows, metadata.positions].set(k.astype(cache.k.dtype)),
+            cache.v.at[rows, metadata.positions].set(v.astype(cache.v.dtype)),
+        )
         b, s = cache.k.shape[:2]
-        out = mha_reference(q, cache.k, cache.v, causal=True, q_positions=metadata.positions,
-                            kv_positions=jnp.broadcast_to(jnp.arange(s), (b, s)), **common)
+        out = mha_reference(
+            q,
+            cache.k,
+            cache.v,
+            causal=True,
+            q_positions=metadata.positions,
+            kv_positions=jnp.broadcast_to(jnp.arange(s), (b, s)),
+            **common,
+        )
         return out, cache
     if isinstance(metadata, PagedMetadata):
         if not isinstance(cache, PagedKVCache):
             raise ValueError("PagedMetadata needs a PagedKVCache")
         b, t, h, d = q.shape
         cache = cache.write(k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]), metadata.slot_mapping)
-        out = ragged_paged_attention(q.reshape(b * t, h, d), cache, metadata, impl=impl, **common)
+        out = ragged_attention(q.reshape(b * t, h, d), cache, metadata, impl=impl, **common)
         return out.reshape(b, t, h, d), cache
     raise TypeError(f"unsupported attention metadata {type(metadata).__name__}")

@@ -66,10 +66,10 @@ class _Static:
     softcap: float | None
     scale: float
     has_segments: bool
-    q_len: int       # true (unpadded) lengths
+    q_len: int  # true (unpadded) lengths
     kv_len: int
-    group: int       # query heads per tile (power of two dividing the GQA ratio)
-    tokens: int      # query tokens per tile
+    group: int  # query heads per tile (power of two dividing the GQA ratio)
+    tokens: int  # query tokens per tile
     block_k: int
 
     @property
@@ -95,8 +95,15 @@ def _row_segments(seg: jax.Array, st: _Static) -> jax.Array:
     return jnp.broadcast_to(seg[:, None], (st.tokens, st.group)).reshape(st.rows)
 
 
-def _scores(q: jax.Array, k: jax.Array, q_tok: jax.Array, kv0: jax.Array, q_seg: jax.Array | None,
-            kv_seg: jax.Array | None, st: _Static) -> tuple[jax.Array, jax.Array]:
+def _scores(
+    q: jax.Array,
+    k: jax.Array,
+    q_tok: jax.Array,
+    kv0: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    st: _Static,
+) -> tuple[jax.Array, jax.Array]:
     """Masked base-2 logits [rows, block_k] and the capped natural logits (for the softcap grad)."""
     s = dot(q, k, trans_b=True) * st.scale
     if st.softcap is not None:
@@ -108,7 +115,7 @@ def _scores(q: jax.Array, k: jax.Array, q_tok: jax.Array, kv0: jax.Array, q_seg:
         mask &= kv_idx[None, :] <= q_pos
     if st.window is not None:
         mask &= q_pos - kv_idx[None, :] < st.window
-    if st.has_segments:
+    if st.has_segments and q_seg is not None and kv_seg is not None:
         mask &= q_seg[:, None] == kv_seg[None, :]
     return jnp.where(mask, s * LOG2E, -jnp.inf), s
 
@@ -154,8 +161,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *,
         return online_softmax_step(acc, m, l, s, v)
 
     lo, hi = _kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, st)
-    init = (jnp.zeros((st.rows, d), jnp.float32), jnp.full((st.rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((st.rows,), jnp.float32))
+    init = (
+        jnp.zeros((st.rows, d), jnp.float32),
+        jnp.full((st.rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((st.rows,), jnp.float32),
+    )
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     empty = l == 0.0  # rows that see no key (padding): output 0, lse +inf so backward p = 0
     out = acc / jnp.where(empty, 1.0, l)[:, None]
@@ -175,8 +185,7 @@ def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, st: _Static):
     return p, ds * st.scale
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref,
-                 *, st: _Static):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *, st: _Static):
     kv0 = pl.program_id(2) * st.block_k
     k, v = k_ref[...], v_ref[...]
     kv_seg = kvseg_ref[...] if st.has_segments else None
@@ -381,9 +390,18 @@ def flash_attention(
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     blocks = block_sizes or default_block_sizes(d)
     group = _group_tile(h // kh)
-    st = _Static(causal=causal, window=sliding_window, softcap=logit_softcap,
-                 scale=d**-0.5 if scale is None else float(scale), has_segments=q_segment_ids is not None,
-                 q_len=t, kv_len=s, group=group, tokens=max(blocks.block_q // group, 1), block_k=blocks.block_k)
+    st = _Static(
+        causal=causal,
+        window=sliding_window,
+        softcap=logit_softcap,
+        scale=d**-0.5 if scale is None else float(scale),
+        has_segments=q_segment_ids is not None,
+        q_len=t,
+        kv_len=s,
+        group=group,
+        tokens=max(blocks.block_q // group, 1),
+        block_k=blocks.block_k,
+    )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     dp = max(16, pl.next_power_of_2(d))  # Triton tiles need power-of-two sizes; zero columns are inert

@@ -44,7 +44,7 @@ class KVCache:
     v: Float[Array, "B S KH D"]
 
     @classmethod
-    def zeros(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype) -> "KVCache":
+    def zeros(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype) -> KVCache:
         shape = (batch, max_len, num_kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -60,10 +60,10 @@ class PagedMetadata:
     batch's work tiles built on the host (`tile_plan`), spares the XLA implementation its index work.
     """
 
-    slot_mapping: Int[Array, "N"]
+    slot_mapping: Int[Array, " N"]
     block_tables: Int[Array, "S MB"]
-    cu_q_lens: Int[Array, "S1"]
-    kv_lens: Int[Array, "S"]
+    cu_q_lens: Int[Array, " S1"]
+    kv_lens: Int[Array, " S"]
     max_q_len: int | None = dataclasses.field(default=None, metadata={"static": True})
     plan: TilePlan | None = None
 
@@ -98,24 +98,35 @@ class PagedKVCache:
     v_scale: Float[Array, "NB BS KH"] | None = None
 
     @classmethod
-    def zeros(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype) -> "PagedKVCache":
+    def zeros(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
+    ) -> PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         if jnp.dtype(dtype) == jnp.int8:
-            scales = jnp.ones(shape[:3], jnp.float32)
-            return cls(jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), scales, scales)
+            # two buffers: the engine donates the pools, and one buffer may not be donated twice
+            return cls(
+                jnp.zeros(shape, jnp.int8),
+                jnp.zeros(shape, jnp.int8),
+                jnp.ones(shape[:3], jnp.float32),
+                jnp.ones(shape[:3], jnp.float32),
+            )
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def write(self, k: Float[Array, "N KH D"], v: Float[Array, "N KH D"], slots: Int[Array, "N"]) -> "PagedKVCache":
+    def write(self, k: Float[Array, "N KH D"], v: Float[Array, "N KH D"], slots: Int[Array, " N"]) -> PagedKVCache:
         """Scatter new K/V into their slots (jit with the cache donated: updated in place)."""
-        if not self.quantized:
+        if self.k_scale is None or self.v_scale is None:
             return PagedKVCache(_scatter_slots(self.k, k, slots), _scatter_slots(self.v, v, slots))
         (kq, ks), (vq, vs) = quantize(k), quantize(v)
-        return PagedKVCache(_scatter_slots(self.k, kq, slots), _scatter_slots(self.v, vq, slots),
-                            _scatter_slots(self.k_scale, ks, slots), _scatter_slots(self.v_scale, vs, slots))
+        return PagedKVCache(
+            _scatter_slots(self.k, kq, slots),
+            _scatter_slots(self.v, vq, slots),
+            _scatter_slots(self.k_scale, ks, slots),
+            _scatter_slots(self.v_scale, vs, slots),
+        )
 
 
 AttentionMetadata = DenseMetadata | ContiguousCacheMetadata | PagedMetadata

@@ -22,8 +22,8 @@ def ragged_paged_attention_reference(
     k_pool: Float[Array, "NB BS KH D"],
     v_pool: Float[Array, "NB BS KH D"],
     block_tables: Int[Array, "S MB"],
-    cu_q_lens: Int[Array, "S1"],
-    kv_lens: Int[Array, "S"],
+    cu_q_lens: Int[Array, " S1"],
+    kv_lens: Int[Array, " S"],
     *,
     k_scales: Float[Array, "NB BS KH"] | None = None,
     v_scales: Float[Array, "NB BS KH"] | None = None,
@@ -49,10 +49,18 @@ def ragged_paged_attention_reference(
     q_pos = kv_lens[:, None] - q_lens[:, None] + i[None, :]
     kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (s, k.shape[1]))
     out = mha_reference(
-        qs, k, v, causal=True, q_positions=q_pos, kv_positions=kv_pos,
+        qs,
+        k,
+        v,
+        causal=True,
+        q_positions=q_pos,
+        kv_positions=kv_pos,
         q_segment_ids=q_valid.astype(jnp.int32),
         kv_segment_ids=jnp.where(kv_pos < kv_lens[:, None], 1, -1),
-        sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale)
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+    )
     seq, local, real = token_sequences(cu_q_lens, n)
     valid = real & (local < width)
     return jnp.where(valid[:, None, None], out[seq, jnp.clip(local, 0, width - 1)], 0).astype(q.dtype)
@@ -63,10 +71,9 @@ def paged_attention_reference(
     k_pool: Float[Array, "NB BS KH D"],
     v_pool: Float[Array, "NB BS KH D"],
     block_tables: Int[Array, "S MB"],
-    context_lens: Int[Array, "S"],
+    context_lens: Int[Array, " S"],
     **kwargs,
 ) -> Float[Array, "S H D"]:
     """Decode: one query per sequence, at position context_len - 1 (context_len 0 = padding)."""
     cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-    return ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, cu, context_lens, max_q_len=1,
-                                            **kwargs)
+    return ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, cu, context_lens, max_q_len=1, **kwargs)

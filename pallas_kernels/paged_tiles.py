@@ -41,8 +41,9 @@ def work_tiles(cu_q_lens: Any, kv_lens: Any, tokens: int, num_tiles: int, xp: Mo
     valid = seq < s
     seq = xp.minimum(seq, s - 1)
     q_start = (t - (ends[seq] - per_seq[seq])) * tokens
-    info = xp.stack([seq, xp.where(valid, q_start, 0), xp.where(valid, q_lens[seq], 0),
-                     xp.where(valid, kv_lens[seq], 0)], axis=1).astype(xp.int32)
+    info = xp.stack(
+        [seq, xp.where(valid, q_start, 0), xp.where(valid, q_lens[seq], 0), xp.where(valid, kv_lens[seq], 0)], axis=1
+    ).astype(xp.int32)
     return info, ends - per_seq
 
 
@@ -60,11 +61,12 @@ class TilePlan:
     q_index: Int[Array, "T R"]
     q_pos: Int[Array, "T R"]
     pages: Int[Array, "T MB"]
-    out_index: Int[Array, "N"]
+    out_index: Int[Array, " N"]
 
 
-def tile_plan(cu_q_lens: Any, kv_lens: Any, block_tables: Any, block_size: int, n: int, tokens: int,
-              xp: ModuleType = jnp) -> TilePlan:
+def tile_plan(
+    cu_q_lens: Any, kv_lens: Any, block_tables: Any, block_size: int, n: int, tokens: int, xp: ModuleType = jnp
+) -> TilePlan:
     """Lay out n flat tokens (sequences per cu_q_lens) as max_work_tiles(n, S, tokens) tiles."""
     s, mb = block_tables.shape
     info, first_tile = work_tiles(cu_q_lens, kv_lens, tokens, max_work_tiles(n, s, tokens), xp)
@@ -81,8 +83,9 @@ def tile_plan(cu_q_lens: Any, kv_lens: Any, block_tables: Any, block_size: int, 
     return TilePlan(*(a.astype(xp.int32) for a in (q_index, q_pos, pages, out_index)))
 
 
-def untile(out: jax.Array, cu_q_lens: Int[Array, "S1"], first_tile: Int[Array, "S"], tokens: int,
-           n: int) -> jax.Array:
+def untile(
+    out: jax.Array, cu_q_lens: Int[Array, " S1"], first_tile: Int[Array, " S"], tokens: int, n: int
+) -> jax.Array:
     """Tile outputs [T, tokens, ...] back to the flat token order [n, ...]; padding tokens are zero."""
     seq, local, real = token_sequences(cu_q_lens, n)
     res = out[first_tile[seq] + local // tokens, local % tokens]

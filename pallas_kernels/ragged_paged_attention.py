@@ -28,8 +28,8 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    tokens: int          # new tokens per work tile
-    group: int           # query heads per KV head, padded to a power of two
+    tokens: int  # new tokens per work tile
+    group: int  # query heads per KV head, padded to a power of two
     page_size: int
     pages_per_tile: int  # pages loaded per inner step
     pages_per_split: int
@@ -89,8 +89,11 @@ def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_re
         return online_softmax_step(acc, m, l, jnp.where(mask, s * LOG2E, -jnp.inf), v)
 
     d = q.shape[-1]
-    init = (jnp.zeros((st.rows, d), jnp.float32), jnp.full((st.rows,), -jnp.inf, jnp.float32),
-            jnp.zeros((st.rows,), jnp.float32))
+    init = (
+        jnp.zeros((st.rows, d), jnp.float32),
+        jnp.full((st.rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((st.rows,), jnp.float32),
+    )
     j_lo = lax.div(page_lo, st.pages_per_tile)
     j_hi = jnp.maximum(lax.div(page_hi + st.pages_per_tile - 1, st.pages_per_tile), j_lo)
     acc, m, l = lax.fori_loop(j_lo, j_hi, body, init)
@@ -105,8 +108,8 @@ def ragged_paged_attention(
     k_pool: Float[Array, "NB BS KH D"],
     v_pool: Float[Array, "NB BS KH D"],
     block_tables: Int[Array, "S MB"],
-    cu_q_lens: Int[Array, "S1"],
-    kv_lens: Int[Array, "S"],
+    cu_q_lens: Int[Array, " S1"],
+    kv_lens: Int[Array, " S"],
     *,
     k_scales: Float[Array, "NB BS KH"] | None = None,
     v_scales: Float[Array, "NB BS KH"] | None = None,
@@ -139,9 +142,17 @@ def ragged_paged_attention(
         pages_per_tile = max(1, 64 // bs)
     pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))
     pages_per_split = pages_per_tile * pl.cdiv(pl.cdiv(mb, num_splits), pages_per_tile)
-    st = _Static(tokens=tokens, group=group, page_size=bs, pages_per_tile=pages_per_tile,
-                 pages_per_split=pages_per_split, window=sliding_window, softcap=logit_softcap,
-                 scale=d**-0.5 if scale is None else float(scale), quantized=k_scales is not None)
+    st = _Static(
+        tokens=tokens,
+        group=group,
+        page_size=bs,
+        pages_per_tile=pages_per_tile,
+        pages_per_split=pages_per_split,
+        window=sliding_window,
+        softcap=logit_softcap,
+        scale=d**-0.5 if scale is None else float(scale),
+        quantized=k_scales is not None,
+    )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
@@ -167,14 +178,19 @@ def ragged_paged_attention(
             pl.BlockSpec(info.shape, lambda t, g, c: (0, 0)),
             pl.BlockSpec(bt.shape, lambda t, g, c: (0, 0)),
             pl.BlockSpec((sq, tokens, sq, group, d), lambda t, g, c: (t, 0, g, 0, 0)),
-            pool_spec, pool_spec, scale_spec, scale_spec,
+            pool_spec,
+            pool_spec,
+            scale_spec,
+            scale_spec,
         ],
         out_specs=[
             pl.BlockSpec((sq, sq, tokens, sq, group, d), lambda t, g, c: (t, c, 0, g, 0, 0)),
             pl.BlockSpec((sq, sq, tokens, sq, group), lambda t, g, c: (t, c, 0, g, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group, d), jnp.float32),
-                   jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jaxinfra_ragged_paged_attention",

@@ -44,8 +44,8 @@ def ragged_paged_attention_xla(
     k_pool: Float[Array, "NB BS KH D"],
     v_pool: Float[Array, "NB BS KH D"],
     block_tables: Int[Array, "S MB"],
-    cu_q_lens: Int[Array, "S1"],
-    kv_lens: Int[Array, "S"],
+    cu_q_lens: Int[Array, " S1"],
+    kv_lens: Int[Array, " S"],
     *,
     k_scales: Float[Array, "NB BS KH"] | None = None,
     v_scales: Float[Array, "NB BS KH"] | None = None,
@@ -63,8 +63,14 @@ def ragged_paged_attention_xla(
         raise ValueError(f"num query heads {h} must be a multiple of num kv heads {kh}")
     g = h // kh
     if plan is None:
-        plan = tile_plan(cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), block_tables.astype(jnp.int32),
-                         bs, n, tile_tokens(max_q_len, n))
+        plan = tile_plan(
+            cu_q_lens.astype(jnp.int32),
+            kv_lens.astype(jnp.int32),
+            block_tables.astype(jnp.int32),
+            bs,
+            n,
+            tile_tokens(max_q_len, n),
+        )
     num_tiles, tokens = plan.q_index.shape
     # A tile's rows are (token, query head of a KV group). Size-1 axes make XLA's CPU reductions slow,
     # so a tile of one row (decode without GQA) has no row axis at all.
@@ -72,7 +78,7 @@ def ragged_paged_attention_xla(
     scale = d**-0.5 if scale is None else scale
     qt = jnp.take(q, plan.q_index, axis=0, mode="clip").astype(jnp.float32) * scale
     qt = qt.reshape(num_tiles, tokens, kh, g, d).transpose(0, 1, 3, 2, 4).reshape(num_tiles, 1, *rows, kh, d)
-    q_pos = jnp.repeat(plan.q_pos, g, axis=1).reshape(num_tiles, *rows)      # [T, (rows)]
+    q_pos = jnp.repeat(plan.q_pos, g, axis=1).reshape(num_tiles, *rows)  # [T, (rows)]
     if pages_per_step is None:  # below the table width: a loop of one step gets the pools copied (XLA CPU)
         pages_per_step = max(1, min(KEYS_PER_STEP // (num_tiles * bs), plan.pages.shape[1] // 2))
     per_step = pages_per_step * bs
@@ -84,13 +90,13 @@ def ragged_paged_attention_xla(
         lo = jnp.clip(first // per_step, 0, hi)
 
     def kv(pool: jax.Array, scales: jax.Array | None, pg: jax.Array) -> jax.Array:
-        x = _gather_pages(pool, scales, pg, jnp.float32)                        # [T, L, KH, D]
+        x = _gather_pages(pool, scales, pg, jnp.float32)  # [T, L, KH, D]
         return x[:, :, None] if rows else x
 
     def step(j, carry):
         m, l, acc = carry
         pg = jax.lax.dynamic_slice_in_dim(pages, j * pages_per_step, pages_per_step, axis=1)
-        s = jnp.sum(qt * kv(k_pool, k_scales, pg), axis=-1)                     # [T, L, (rows), KH]
+        s = jnp.sum(qt * kv(k_pool, k_scales, pg), axis=-1)  # [T, L, (rows), KH]
         if logit_softcap is not None:
             s = logit_softcap * jnp.tanh(s / logit_softcap)
         kv_pos = (j * per_step + jnp.arange(per_step)).reshape(1, per_step, *(1,) * len(rows))
@@ -98,7 +104,7 @@ def ragged_paged_attention_xla(
         if sliding_window is not None:
             visible &= q_pos[:, None] - kv_pos < sliding_window
         s = jnp.where(visible[..., None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))                                 # [T, (rows), KH]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [T, (rows), KH]
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp(s - m_safe[:, None])
         corr = jnp.exp(m - m_safe)
@@ -106,8 +112,7 @@ def ragged_paged_attention_xla(
         return m_new, l * corr + jnp.sum(p, axis=1), acc
 
     shape = (num_tiles, *rows, kh)
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, d), jnp.float32))
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, d), jnp.float32))
     _, l, acc = jax.lax.fori_loop(lo, hi, step, init)
     out = (acc / jnp.where(l == 0, 1.0, l)[..., None]).reshape(num_tiles, tokens, g, kh, d)
     out = out.transpose(0, 1, 3, 2, 4).reshape(num_tiles * tokens, h, d)

@@ -14,8 +14,9 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def online_softmax_step(acc: jax.Array, m: jax.Array, l: jax.Array, s: jax.Array, v: jax.Array
-                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def online_softmax_step(
+    acc: jax.Array, m: jax.Array, l: jax.Array, s: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one tile of base-2 logits `s` [rows, keys] (-inf where masked) and values `v` into the
     running (unnormalised output, row max, row sum). Rows that have seen no key keep m = -inf."""
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))

@@ -41,9 +41,14 @@ def main(overrides: list[str]) -> None:
     if DEFAULT_MODEL_DIR.exists():
         shutil.rmtree(DEFAULT_MODEL_DIR)
     shutil.copytree(hf, DEFAULT_MODEL_DIR)
-    metrics = {"steps": result.final_step, "tokens_trained": result.final_step * cfg.batch_size * cfg.data.seq_len,
-               "heldout_loss": result.eval_loss, "heldout_perplexity": math.exp(result.eval_loss),
-               "unigram_entropy": result.unigram_entropy, "unigram_perplexity": math.exp(result.unigram_entropy)}
+    metrics = {
+        "steps": result.final_step,
+        "tokens_trained": result.final_step * cfg.batch_size * cfg.data.seq_len,
+        "heldout_loss": result.eval_loss,
+        "heldout_perplexity": math.exp(result.eval_loss),
+        "unigram_entropy": result.unigram_entropy,
+        "unigram_perplexity": math.exp(result.unigram_entropy),
+    }
     (DEFAULT_MODEL_DIR / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     shutil.copy(Path(cfg.out_dir) / "loss.png", DEFAULT_MODEL_DIR / "loss.png")
     print(json.dumps(metrics, indent=2))

@@ -37,12 +37,15 @@ def fetch(out: Path = DEFAULT_OUT) -> Path:
     if target.is_file():
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["apt-get", "download", "bible-kjv-text", "bible-kjv"], cwd=tmp, check=True,
-                       capture_output=True)
+        subprocess.run(["apt-get", "download", "bible-kjv-text", "bible-kjv"], cwd=tmp, check=True, capture_output=True)
         for deb in Path(tmp).glob("*.deb"):
             subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/root"], check=True)
-        raw = subprocess.run([f"{tmp}/root/usr/bin/bible", "-p", f"{tmp}/root/usr/lib", "-l100000",
-                              "Gen1:1-Rev22:21"], check=True, capture_output=True, text=True).stdout
+        raw = subprocess.run(
+            [f"{tmp}/root/usr/bin/bible", "-p", f"{tmp}/root/usr/lib", "-l100000", "Gen1:1-Rev22:21"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     docs = chapters(raw)
     if len(docs) != 1189:
         raise RuntimeError(f"expected the 1189 chapters of the KJV, parsed {len(docs)}")

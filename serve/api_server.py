@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +34,7 @@ from serve.core_client import EngineDeadError
 from serve.metrics import ServerMetrics
 from serve.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _Common
 from serve.outputs import CompletionOutput, RequestOutput
+from serve.sampling_params import OutputKind
 
 
 def bad_request(e: Exception) -> OpenAIError:
@@ -47,8 +48,15 @@ def dead(e: EngineDeadError) -> OpenAIError:
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_queue: int,
-                 request_timeout: float | None, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        api_key: str | None,
+        max_queue: int,
+        request_timeout: float | None,
+        metrics: ServerMetrics,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
@@ -71,11 +79,11 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleave several request streams, tagging each output with its stream's index."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in stream:
                 await queue.put((i, out))
@@ -107,14 +115,23 @@ class _Generation:
     """One API call: its engine requests (one per prompt), how they map to choices, and what has
     been streamed of each choice."""
 
-    def __init__(self, state: ServerState, req: _Common, prompts: list[list[int]], logprobs: int | None,
-                 requested_max: int | None, cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        req: _Common,
+        prompts: list[list[int]],
+        logprobs: int | None,
+        requested_max: int | None,
+        cache_salt: str | None = None,
+    ) -> None:
         self.state, self.req, self.prompts, self.cache_salt = state, req, prompts, cache_salt
         self.id = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         self.ids = [f"{self.id}-{i}" for i in range(len(prompts))]
-        kind = "delta" if req.stream else "final_only"
+        kind: OutputKind = "delta" if req.stream else "final_only"
         try:
-            self.params = [req.sampling_params(self._max_tokens(requested_max, len(p)), logprobs, kind) for p in prompts]
+            self.params = [
+                req.sampling_params(self._max_tokens(requested_max, len(p)), logprobs, kind) for p in prompts
+            ]
         except (ValueError, TypeError) as e:
             raise bad_request(e) from e
         self.num_seqs = len(prompts) * req.n
@@ -127,18 +144,26 @@ class _Generation:
         limit = self.state.engine.max_model_len
         param = "messages" if isinstance(self.req, ChatCompletionRequest) else "prompt"
         if prompt_len >= limit:
-            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                                   f"{prompt_len} tokens, leaving no room for a completion.", param=param)
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{prompt_len} tokens, leaving no room for a completion.",
+                param=param,
+            )
         if requested is None:
             return limit - prompt_len
         if prompt_len + requested > limit:
-            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                   f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                                   f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                f"completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
         return requested
 
-    async def start(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        streams = []
+    async def start(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        streams: list[AsyncGenerator[RequestOutput, None]] = []
         try:
             for rid, prompt, params in zip(self.ids, self.prompts, self.params):
                 streams.append(await self.state.engine.add_request(rid, prompt, params, cache_salt=self.cache_salt))
@@ -164,16 +189,26 @@ class _Generation:
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p) for p in self.prompts)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
 
 
 Render = Callable[[_Generation, int, RequestOutput], Iterator[dict[str, Any]]]
 Final = Callable[[_Generation, bool], dict[str, Any]]
 
 
-def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None, max_queue: int = 256,
-              request_timeout: float | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    request_timeout: float | None = None,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
     """The FastAPI app over a running AsyncEngine (its metrics hook should feed `metrics`)."""
     metrics = metrics or ServerMetrics(model_name)
     if engine.on_iteration is None:
@@ -208,16 +243,20 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return _error(OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key"))
+        if (
+            state.api_key
+            and request.url.path.startswith("/v1")
+            and request.headers.get("authorization", "") != f"Bearer {state.api_key}"
+        ):
+            return _error(OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key"))
         return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.healthy:
-            return JSONResponse({"status": "error", "error": engine.error or "the engine core is not running"},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "error", "error": engine.error or "the engine core is not running"}, status_code=503
+            )
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -226,8 +265,18 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "jaxinfra", "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "jaxinfra",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     def _check_model(req: _Common) -> None:
         if req.model != state.model_name:
@@ -242,8 +291,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     async def _run(request: Request, gen: _Generation, render: Render, final: Final) -> Response:
         if state.in_flight + gen.num_seqs > state.capacity:
-            raise OpenAIError(429, "The server is overloaded: too many sequences in flight. Retry later.",
-                              type_="rate_limit_error")
+            raise OpenAIError(
+                429, "The server is overloaded: too many sequences in flight. Retry later.", type_="rate_limit_error"
+            )
         state.in_flight += gen.num_seqs
         try:
             merged = await gen.start()
@@ -263,8 +313,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
         worker, watcher = asyncio.create_task(collect()), asyncio.create_task(watch_disconnect())
         try:
-            done, _ = await asyncio.wait({worker, watcher}, timeout=state.request_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {worker, watcher}, timeout=state.request_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
             if worker not in done:
                 worker.cancel()
                 if watcher in done:
@@ -282,8 +333,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             await merged.aclose()
             state.in_flight -= gen.num_seqs
 
-    async def _stream(gen: _Generation, merged: AsyncIterator[tuple[int, RequestOutput]], render: Render,
-                      final: Final) -> AsyncIterator[str]:
+    async def _stream(
+        gen: _Generation, merged: AsyncGenerator[tuple[int, RequestOutput], None], render: Render, final: Final
+    ) -> AsyncIterator[str]:
         try:
             async with asyncio.timeout(state.request_timeout):
                 async for i, out in merged:
@@ -311,9 +363,12 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             offsets.append(pos)
             pos += len(t)
         gen.text_offset[c] = pos
-        return {"tokens": tokens, "token_logprobs": [lp[t] for lp, t in zip(o.logprobs, o.token_ids)],
-                "top_logprobs": [{state.token_text(k): v for k, v in lp.items()} for lp in o.logprobs],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp[t] for lp, t in zip(o.logprobs or [], o.token_ids)],
+            "top_logprobs": [{state.token_text(k): v for k, v in lp.items()} for lp in o.logprobs or []],
+            "text_offset": offsets,
+        }
 
     def completion_chunks(gen: _Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
         for o in out.outputs:
@@ -321,21 +376,45 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             lp = completion_logprobs(gen, c, o) if o.logprobs is not None and o.token_ids else None
             if not o.text and not o.finished() and lp is None:
                 continue
-            yield {"id": gen.id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-                   "choices": [{"index": c, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
-                                "stop_reason": o.stop_reason}]}
+            yield {
+                "id": gen.id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": state.model_name,
+                "choices": [
+                    {
+                        "index": c,
+                        "text": o.text,
+                        "logprobs": lp,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                    }
+                ],
+            }
 
     def completion_final(gen: _Generation, usage_only: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
-                                "model": state.model_name, "choices": [], "usage": gen.usage()}
+        body: dict[str, Any] = {
+            "id": gen.id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": [],
+            "usage": gen.usage(),
+        }
         if usage_only:
             return body
         for i in sorted(gen.final):
             for o in gen.final[i].outputs:
                 c = gen.choice(i, o.index)
-                body["choices"].append({
-                    "index": c, "text": o.text, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": completion_logprobs(gen, c, o) if o.logprobs is not None else None})
+                body["choices"].append(
+                    {
+                        "index": c,
+                        "text": o.text,
+                        "finish_reason": o.finish_reason,
+                        "stop_reason": o.stop_reason,
+                        "logprobs": completion_logprobs(gen, c, o) if o.logprobs is not None else None,
+                    }
+                )
         return body
 
     @app.post("/v1/completions")
@@ -351,34 +430,68 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             s = state.token_text(t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "surrogatepass"))}
 
-        return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in list(lp.items())[:top]]}
-                            for lp, t in zip(o.logprobs, o.token_ids)]}
+        return {
+            "content": [
+                {**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in list(lp.items())[:top]]}
+                for lp, t in zip(o.logprobs or [], o.token_ids)
+            ]
+        }
 
     def chat_chunks(gen: _Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
-        req = gen.req
+        req = cast(ChatCompletionRequest, gen.req)
         base = {"id": gen.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.model_name}
         for o in out.outputs:
             c = gen.choice(i, o.index)
             if c not in gen.roles_sent:
                 gen.roles_sent.add(c)
-                yield {**base, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
+                yield {
+                    **base,
+                    "choices": [
+                        {
+                            "index": c,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
             lp = chat_logprobs(o, req.top_logprobs or 0) if req.logprobs and o.token_ids else None
             if not o.text and not o.finished() and lp is None:
                 continue
-            yield {**base, "choices": [{"index": c, "delta": {"content": o.text} if o.text else {},
-                                        "logprobs": lp, "finish_reason": o.finish_reason}]}
+            yield {
+                **base,
+                "choices": [
+                    {
+                        "index": c,
+                        "delta": {"content": o.text} if o.text else {},
+                        "logprobs": lp,
+                        "finish_reason": o.finish_reason,
+                    }
+                ],
+            }
 
     def chat_final(gen: _Generation, usage_only: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
-                                "model": state.model_name, "choices": [], "usage": gen.usage()}
+        body: dict[str, Any] = {
+            "id": gen.id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": [],
+            "usage": gen.usage(),
+        }
         if usage_only:
             return {**body, "object": "chat.completion.chunk"}
+        req = cast(ChatCompletionRequest, gen.req)
         for o in gen.final[0].outputs:
-            body["choices"].append({
-                "index": o.index, "message": {"role": "assistant", "content": o.text},
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                "logprobs": chat_logprobs(o, gen.req.top_logprobs or 0) if gen.req.logprobs else None})
+            body["choices"].append(
+                {
+                    "index": o.index,
+                    "message": {"role": "assistant", "content": o.text},
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                    "logprobs": chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None,
+                }
+            )
         return body
 
     @app.post("/v1/chat/completions")
@@ -430,8 +543,11 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = No
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxinfra serve", description="OpenAI-compatible server")
-    p.add_argument("--model", default=None,
-                   help="local HF directory, training run directory or preset name (default: the embedded model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local HF directory, training run directory or preset name (default: the embedded model)",
+    )
     p.add_argument("--config", help="engine arguments from a YAML file (configs/serve/*.yaml)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -440,30 +556,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="sequences allowed to wait beyond max-num-seqs; requests past that get 429")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="sequences allowed to wait beyond max-num-seqs; requests past that get 429",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
     p.add_argument("--dtype", default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool off GPU")
-    p.add_argument("--num-scheduler-steps", type=int, default=None,
-                   help="decode steps per jitted loop when the batch is decode-only and nothing waits")
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="decode steps per jitted loop when the batch is decode-only and nothing waits",
+    )
     p.add_argument("--no-async-scheduling", action="store_true", help="read each step's results before the next")
     p.add_argument("--compilation-cache-dir", default=None, help="JAX's persistent compilation cache ('' = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling all batch shapes at start")
-    p.add_argument("--restart-engine", action="store_true",
-                   help="start a new engine core if it dies (in-flight requests still fail)")
+    p.add_argument(
+        "--restart-engine",
+        action="store_true",
+        help="start a new engine core if it dies (in-flight requests still fail)",
+    )
     return p
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    overrides = {k: v for k, v in dict(
-        model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, num_scheduler_steps=args.num_scheduler_steps,
-        compilation_cache_dir=args.compilation_cache_dir, seed=args.seed,
-        async_scheduling=False if args.no_async_scheduling else None).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            num_scheduler_steps=args.num_scheduler_steps,
+            compilation_cache_dir=args.compilation_cache_dir,
+            seed=args.seed,
+            async_scheduling=False if args.no_async_scheduling else None,
+        ).items()
+        if v is not None
+    }
     if args.config:
         return EngineArgs.from_yaml(args.config, **overrides)
     return EngineArgs(**overrides)
@@ -480,14 +618,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxinfra serve: error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or (DEFAULT_MODEL_NAME if engine_args.model == DEFAULT_MODEL else engine_args.model)
-    app = build_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                    request_timeout=args.request_timeout)
+    app = build_app(
+        engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue, request_timeout=args.request_timeout
+    )
     base = f"http://{args.host}:{args.port}"
     auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
-    print(f"serving {name} on {base}\n  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
-          f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
-          f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{args.api_key or 'none'}'); "
-          f"print(c.completions.create(model='{name}', prompt='Hello', max_tokens=16).choices[0].text)\"", flush=True)
+    print(
+        f"serving {name} on {base}\n  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}\'\n'
+        f'  python -c "from openai import OpenAI; '
+        f"c = OpenAI(base_url='{base}/v1', api_key='{args.api_key or 'none'}'); "
+        f"print(c.completions.create(model='{name}', prompt='Hello', max_tokens=16).choices[0].text)\"",
+        flush=True,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

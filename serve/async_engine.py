@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -31,8 +31,15 @@ IterationHook = Callable[[list[RequestIteration], SchedulerStats | None], None]
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs, *, tokenizer: Tokenizer | None = None, warmup: bool = True,
-                 restart_on_failure: bool = False, on_iteration: IterationHook | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        tokenizer: Tokenizer | None = None,
+        warmup: bool = True,
+        restart_on_failure: bool = False,
+        on_iteration: IterationHook | None = None,
+    ) -> None:
         self.args = args
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.tokenizer or args.model)
         self.warmup = warmup
@@ -70,8 +77,9 @@ class AsyncEngine:
         task.add_done_callback(self._background.discard)
 
     # --- requests ---------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
-                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, *, cache_salt: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Check and queue a request (ValueError for bad input, EngineDeadError if the core is gone);
         returns the stream of its outputs."""
         if not self.healthy:
@@ -82,8 +90,9 @@ class AsyncEngine:
         self._ensure_output_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                          req.prompt_token_ids, params, req.arrival_time)
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, req.prompt_token_ids, params, req.arrival_time
+        )
         try:
             await self.core.send(req)
         except BaseException:
@@ -92,7 +101,7 @@ class AsyncEngine:
             raise
         return self._stream(request_id, queue)
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while True:
@@ -193,8 +202,9 @@ class AsyncEngine:
         self.core.close()
         try:
             self.core = await asyncio.to_thread(
-                CoreProcess, self.args, self.tokenizer.eos_token_ids if self.tokenizer else (), self.warmup)
-        except Exception as e:  # noqa: BLE001 - the reason is reported by /health
+                CoreProcess, self.args, self.tokenizer.eos_token_ids if self.tokenizer else (), self.warmup
+            )
+        except Exception as e:
             self.error = f"the engine core could not be restarted: {e}"
             return
         self.restarts += 1

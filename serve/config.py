@@ -9,17 +9,19 @@ from typing import Any
 
 import yaml
 
+from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", *MODEL_DTYPES)
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def default_compilation_cache_dir() -> str:
     """JAX's persistent compilation cache: $JAXINFRA_CACHE_DIR, else the user's cache directory."""
     base = os.environ.get("JAXINFRA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxinfra")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxinfra"
+    )
     return os.path.join(base, "jax-compilation-cache")
 
 
@@ -27,22 +29,22 @@ def default_compilation_cache_dir() -> str:
 class EngineArgs:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
-    dtype: str = "auto"                  # auto = the checkpoint's dtype
+    dtype: str = "auto"  # auto = the checkpoint's dtype
     seed: int = 0
     block_size: int = 16
-    max_model_len: int | None = None     # default: the model's max_position_embeddings, capped at 4096
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory: int | None = None   # bytes for the KV pool off GPU (default 256 MiB)
-    kv_cache_dtype: str = "auto"         # auto | int8
+    kv_cache_memory: int | None = None  # bytes for the KV pool off GPU (default 256 MiB)
+    kv_cache_dtype: str = "auto"  # auto | int8
     tensor_parallel_size: int = 1
-    attn_impl: str | None = None         # pallas | xla | reference (default: pallas on GPU, xla elsewhere)
-    async_scheduling: bool = True        # prepare step n+1 on the host while step n runs on the device
-    num_scheduler_steps: int = 1         # > 1: decode-only batches run that many steps in one jitted loop
+    attn_impl: str | None = None  # pallas | xla | reference (default: pallas on GPU, xla elsewhere)
+    async_scheduling: bool = True  # prepare step n+1 on the host while step n runs on the device
+    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps in one jitted loop
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)  # "" = off
 
     def __post_init__(self) -> None:
@@ -69,15 +71,18 @@ class EngineArgs:
                 raise bad(name, "must be a positive int")
         if not is_int(self.seed):
             raise bad("seed", "must be an int")
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
-                or not 0 < self.gpu_memory_utilization <= 1:
+        if (
+            isinstance(self.gpu_memory_utilization, bool)
+            or not isinstance(self.gpu_memory_utilization, (int, float))
+            or not 0 < self.gpu_memory_utilization <= 1
+        ):
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineArgs":
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineArgs:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of engine arguments")

@@ -18,10 +18,18 @@ import zmq.asyncio
 
 from serve.config import EngineArgs
 from serve.core_proc import ALLOCATOR_ENV
-from serve.core_types import (AbortRequests, CoreLaunch, CoreOutput, EngineCoreOutputs, EngineCoreReady,
-                              EngineCoreRequest, StartupError, UtilityCall)
+from serve.core_types import (
+    AbortRequests,
+    CoreLaunch,
+    CoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    StartupError,
+    UtilityCall,
+)
 
-STARTUP_TIMEOUT_S = 1800.0   # loading and compiling a big model can take long; death is noticed at once
+STARTUP_TIMEOUT_S = 1800.0  # loading and compiling a big model can take long; death is noticed at once
 LIVENESS_POLL_MS = 200
 
 
@@ -44,10 +52,14 @@ class CoreProcess:
         ready_r, ready_w = os.pipe()
         launch = CoreLaunch(args, list(eos_token_ids), warmup, self.input_addr, self.output_addr, ready_w)
         env = {**ALLOCATOR_ENV, **os.environ}  # the caller's settings win
-        self.proc = subprocess.Popen([sys.executable, "-c", "from serve.core_proc import main; main()"],
-                                     stdin=subprocess.PIPE, env=env,
-                                     pass_fds=(ready_w,))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from serve.core_proc import main; main()"],
+            stdin=subprocess.PIPE,
+            env=env,
+            pass_fds=(ready_w,),
+        )
         os.close(ready_w)
+        assert self.proc.stdin is not None
         self.proc.stdin.write(self._encoder.encode(launch))
         self.proc.stdin.close()
         with os.fdopen(ready_r, "rb") as ready:

@@ -18,14 +18,26 @@ import zmq
 
 from jaxinfra.loading import load_model
 from serve.config import EngineArgs
-from serve.core_types import (AbortRequests, CoreInput, CoreLaunch, EngineCoreOutputs, EngineCoreReady,
-                              EngineCoreRequest, StartupError, UtilityCall)
+from serve.core_types import (
+    AbortRequests,
+    CoreInput,
+    CoreLaunch,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    StartupError,
+    UtilityCall,
+)
 from serve.engine_core import EngineCore
 
 # glibc malloc settings for the core: XLA's CPU buffers are freed and allocated again every step;
 # served from one arena that is never trimmed, they stop costing page faults (2-3x on CPU steps).
-ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**36),
-                 "MALLOC_TOP_PAD_": str(2**26)}
+ALLOCATOR_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**36),
+    "MALLOC_TOP_PAD_": str(2**26),
+}
 PARENT_CHECK_MS = 1000
 
 
@@ -42,8 +54,9 @@ def enable_compilation_cache(directory: str | None) -> None:
 def build_core(args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool) -> EngineCore:
     """Load the model and build (and optionally warm up) an EngineCore."""
     enable_compilation_cache(args.compilation_cache_dir)
-    model = load_model(args.model, dtype=None if args.dtype == "auto" else args.dtype, attn_impl=args.attn_impl,
-                       seed=args.seed)
+    model = load_model(
+        args.model, dtype=None if args.dtype == "auto" else args.dtype, attn_impl=args.attn_impl, seed=args.seed
+    )
     core = EngineCore(model, args, eos_token_ids)
     if warmup:
         core.runner.warmup()
@@ -59,8 +72,13 @@ def run_engine_core(launch: CoreLaunch) -> None:
         except BaseException as e:
             ready.write(msgspec.msgpack.encode(StartupError(f"{type(e).__name__}: {e}")))
             raise
-        ready.write(msgspec.msgpack.encode(EngineCoreReady(
-            core.block_manager.num_blocks, core.max_model_len, core.vocab_size, list(core.eos_token_ids))))
+        ready.write(
+            msgspec.msgpack.encode(
+                EngineCoreReady(
+                    core.block_manager.num_blocks, core.max_model_len, core.vocab_size, list(core.eos_token_ids)
+                )
+            )
+        )
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inp.connect(launch.input_addr)
@@ -84,11 +102,15 @@ def run_engine_core(launch: CoreLaunch) -> None:
                     core.abort_requests(msg.request_ids, msg.sequences)
                 elif isinstance(msg, UtilityCall):
                     try:
-                        out.send(encoder.encode(EngineCoreOutputs(utility=(msg.call_id, None, core.utility(
-                            msg.method, msg.args)))))
+                        out.send(
+                            encoder.encode(
+                                EngineCoreOutputs(utility=(msg.call_id, None, core.utility(msg.method, msg.args)))
+                            )
+                        )
                     except Exception as e:  # an AssertionError from an invariant check, say
-                        out.send(encoder.encode(EngineCoreOutputs(utility=(msg.call_id, f"{type(e).__name__}: {e}",
-                                                                           None))))
+                        out.send(
+                            encoder.encode(EngineCoreOutputs(utility=(msg.call_id, f"{type(e).__name__}: {e}", None)))
+                        )
             if core.has_work():
                 reply.outputs = core.step()
             reply.stats = core.stats()

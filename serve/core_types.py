@@ -36,9 +36,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     index: int
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None      # "stop" | "length" | "abort" (set by the core)
-    stop_reason: int | None = None        # the stop token id
-    num_cached_tokens: int = 0            # first output only: prompt tokens found in the prefix cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (set by the core)
+    stop_reason: int | None = None  # the stop token id
+    num_cached_tokens: int = 0  # first output only: prompt tokens found in the prefix cache
     first_scheduled: float | None = None  # first output only: when the request was first scheduled
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # index 0's first output, if asked
 
@@ -72,7 +72,7 @@ class CoreLaunch(msgspec.Struct, array_like=True):
     warmup: bool
     input_addr: str
     output_addr: str
-    ready_fd: int   # where it writes EngineCoreReady (or StartupError) once
+    ready_fd: int  # where it writes EngineCoreReady (or StartupError) once
 
 
 class StartupError(msgspec.Struct, array_like=True, tag=True):

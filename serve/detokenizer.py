@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
         if not hits:
             return False
         i, s = min(hits)
-        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         self.stop_reason = s
         return True
 

@@ -26,23 +26,31 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         enable_compilation_cache(args.compilation_cache_dir)
-        model = load_model(args.model, dtype=None if args.dtype == "auto" else args.dtype, attn_impl=args.attn_impl,
-                           seed=args.seed)
+        model = load_model(
+            args.model, dtype=None if args.dtype == "auto" else args.dtype, attn_impl=args.attn_impl, seed=args.seed
+        )
         return cls(model, load_tokenizer(args.tokenizer or args.model), args)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request; bad input (an over-long or empty prompt, unknown ids) is a ValueError here."""
         params = params or SamplingParams()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt,
-                                           arrival_time=arrival_time)
+        req = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt, arrival_time=arrival_time)
         self.core.add_request(req)
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                          req.prompt_token_ids, params, req.arrival_time)
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, req.prompt_token_ids, params, req.arrival_time
+        )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks (unknown or finished ids are ignored)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from jaxinfra.models import LlamaModel
 from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprobs
 from serve.kv_cache import BlockManager
-from serve.runner import InFlight, ModelRunner, StepResult, num_blocks_for_memory
+from serve.runner import InFlight, LogprobArrays, ModelRunner, num_blocks_for_memory
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.scheduler import Scheduler, SchedulerOutput
 from serve.sequence import Sequence, Status
@@ -32,7 +33,7 @@ DEFAULT_CPU_KV_MEMORY = 256 * 2**20
 class CoreRequest:
     request: EngineCoreRequest
     seqs: list[Sequence]
-    pending: list[Sequence]        # siblings (n > 1) admitted once the first has prefilled the prompt
+    pending: list[Sequence]  # siblings (n > 1) admitted once the first has prefilled the prompt
     first_scheduled: float | None = None
 
     @property
@@ -40,8 +41,11 @@ class CoreRequest:
         return not self.pending and all(s.is_finished for s in self.seqs)
 
 
-def _logprobs(token: int, lp: float, ids: np.ndarray, lps: np.ndarray, k: int) -> TokenLogprobs:
-    return TokenLogprobs(int(token), float(lp), ids[:k].tolist(), lps[:k].tolist())
+Logprob = tuple[float, np.ndarray, np.ndarray]  # log p(token), top ids, top logprobs
+
+
+def _logprobs(token: int, lp: Logprob, k: int) -> TokenLogprobs:
+    return TokenLogprobs(int(token), float(lp[0]), lp[1][:k].tolist(), lp[2][:k].tolist())
 
 
 class EngineCore:
@@ -51,28 +55,44 @@ class EngineCore:
         self.vocab_size = cfg.vocab_size
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
         if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+            raise ValueError(
+                f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({cfg.max_position_embeddings})"
+            )
         budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
         if budget < args.max_num_seqs and args.max_num_batched_tokens is not None:
-            raise ValueError(f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_num_seqs ({args.max_num_seqs})")
+            raise ValueError(
+                f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_num_seqs ({args.max_num_seqs})"
+            )
         if budget < self.max_model_len and not args.enable_chunked_prefill:
-            raise ValueError(f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_model_len "
-                             f"({self.max_model_len}) when chunked prefill is off")
+            raise ValueError(
+                f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off"
+            )
         budget = max(budget, args.max_num_seqs)
         num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args)
         if num_blocks * args.block_size < self.max_model_len:
-            raise ValueError(f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
-                             f"max_model_len ({self.max_model_len}); give it more memory or lower max_model_len")
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
+                f"max_model_len ({self.max_model_len}); give it more memory or lower max_model_len"
+            )
         self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
         self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget, args.enable_chunked_prefill)
-        self.runner = ModelRunner(model, block_size=args.block_size, num_blocks=num_blocks,
-                                  max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=budget, kv_cache_dtype=args.kv_cache_dtype,
-                                  eos_token_ids=self.eos_token_ids, tensor_parallel_size=args.tensor_parallel_size,
-                                  attn_impl=args.attn_impl, num_scheduler_steps=args.num_scheduler_steps)
+        self.runner = ModelRunner(
+            model,
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            kv_cache_dtype=args.kv_cache_dtype,
+            eos_token_ids=self.eos_token_ids,
+            tensor_parallel_size=args.tensor_parallel_size,
+            attn_impl=args.attn_impl,
+            num_scheduler_steps=args.num_scheduler_steps,
+        )
         self.requests: dict[str, CoreRequest] = {}
         self.inflight: collections.deque[InFlight] = collections.deque()
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
@@ -98,8 +118,9 @@ class EngineCore:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len "
-                             f"({self.max_model_len})")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len ({self.max_model_len})"
+            )
         p = req.params
         if any(t >= self.vocab_size for t in p.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size})")
@@ -107,14 +128,14 @@ class EngineCore:
         self.requests[req.request_id] = CoreRequest(req, seqs, seqs[1:])
         self.scheduler.add(seqs[0])
 
-    def abort_requests(self, request_ids: list[str], sequences: list[tuple[str, int]] = ()) -> None:
+    def abort_requests(self, request_ids: Iterable[str], sequences: Iterable[tuple[str, int]] = ()) -> None:
         """Stop requests, or single sequences of them, now and free their blocks (unknown or finished
         ones are ignored)."""
         for rid, index in [*((r, -1) for r in request_ids), *sequences]:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            for seq in req.seqs if index < 0 else req.seqs[index:index + 1]:
+            for seq in req.seqs if index < 0 else req.seqs[index : index + 1]:
                 if seq in req.pending:
                     req.pending.remove(seq)
                     seq.status = Status.FINISHED
@@ -165,7 +186,8 @@ class EngineCore:
         """Results must be read before scheduling: after a decode loop (counts unknown), and when a
         running sequence with penalties needs its last token in the host-built history."""
         return self.inflight[-1].batch.num_steps > 1 or any(
-            s.num_pending and s.params.uses_penalties for s in self.scheduler.running)
+            s.num_pending and s.params.uses_penalties for s in self.scheduler.running
+        )
 
     def _drain(self, outputs: dict[Sequence, EngineCoreOutput]) -> None:
         while self.inflight:
@@ -200,31 +222,33 @@ class EngineCore:
                     continue
                 seq.num_computed_tokens += len(made)
                 for k, token in enumerate(made):
-                    lp = None if res.logprob is None else (res.logprob[k, i], res.top_ids[k, i], res.top_logprobs[k, i])
+                    lp = None if res.logprobs is None else (res.logprobs[0][k, i], *(a[k, i] for a in res.logprobs[1:]))
                     if self._append(seq, token, lp, outputs):
                         break
                 else:
                     if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
                         self.block_manager.cache_full_blocks(seq)
             return
-        if res.prompt_logprob is not None:
+        if res.prompt_logprobs is not None:
             offsets = np.concatenate([[0], np.cumsum(batch.counts)])
             for i, seq in enumerate(batch.seqs):
                 if seq.wants_prompt_logprobs:
-                    self._collect_prompt_logprobs(seq, res, int(batch.starts[i]), int(batch.counts[i]), int(offsets[i]))
+                    self._collect_prompt_logprobs(
+                        seq, res.prompt_logprobs, int(batch.starts[i]), int(batch.counts[i]), int(offsets[i])
+                    )
         tokens, samples = res.tokens.tolist(), batch.samples.tolist()
         for i, seq in enumerate(batch.seqs):
             if seq.status is Status.FINISHED:
                 continue
             if samples[i]:
                 seq.num_pending -= 1
-                lp = None if res.logprob is None else (res.logprob[i], res.top_ids[i], res.top_logprobs[i])
+                lp = None if res.logprobs is None else (res.logprobs[0][i], res.logprobs[1][i], res.logprobs[2][i])
                 if self._append(seq, tokens[i], lp, outputs):
                     continue
             if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
                 self.block_manager.cache_full_blocks(seq)
 
-    def _collect_prompt_logprobs(self, seq: Sequence, res: StepResult, start: int, n: int, offset: int) -> None:
+    def _collect_prompt_logprobs(self, seq: Sequence, prompt: LogprobArrays, start: int, n: int, offset: int) -> None:
         k = seq.params.prompt_logprobs or 0
         if not seq.prompt_logprobs:
             seq.prompt_logprobs = [None]
@@ -232,10 +256,11 @@ class EngineCore:
             if j + 1 >= seq.prompt_len or len(seq.prompt_logprobs) != j + 1:
                 continue  # past the prompt, or already collected before a preemption
             row = offset + j - start
-            seq.prompt_logprobs.append(_logprobs(seq.tokens[j + 1], res.prompt_logprob[row],
-                                                 res.prompt_top_ids[row], res.prompt_top_logprobs[row], k))
+            seq.prompt_logprobs.append(
+                _logprobs(seq.tokens[j + 1], (prompt[0][row], prompt[1][row], prompt[2][row]), k)
+            )
 
-    def _append(self, seq: Sequence, token: int, lp: tuple | None, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
+    def _append(self, seq: Sequence, token: int, lp: Logprob | None, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
         """Add a sampled token and check the stop rules (EOS and stop ids once min_tokens are out,
         max_tokens, max_model_len); True if the sequence finished."""
         seq.tokens.append(token)
@@ -248,7 +273,7 @@ class EngineCore:
                 self._first_output(seq, out)
         if lp is not None and seq.params.logprobs is not None:
             out.new_logprobs = out.new_logprobs or []
-            out.new_logprobs.append(_logprobs(token, *lp, seq.params.logprobs))
+            out.new_logprobs.append(_logprobs(token, lp, seq.params.logprobs))
         produced = len(seq.tokens) - seq.prompt_len
         if produced >= seq.min_tokens and seq.check_eos and token in self.eos_set:
             seq.finish_reason = "stop"
@@ -281,9 +306,17 @@ class EngineCore:
     # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
-        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage, bm.prefix_queries,
-                              bm.prefix_hits, self.scheduler.num_preemptions, bm.num_free_blocks, bm.num_blocks,
-                              self.runner.num_compilations)
+        return SchedulerStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            bm.usage,
+            bm.prefix_queries,
+            bm.prefix_hits,
+            self.scheduler.num_preemptions,
+            bm.num_free_blocks,
+            bm.num_blocks,
+            self.runner.num_compilations,
+        )
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
@@ -292,8 +325,11 @@ class EngineCore:
 
     def utility(self, method: str, args: list[Any]) -> Any:
         """The calls a frontend may make on a core process."""
-        calls = {"stats": lambda: self.stats(), "check_invariants": self.check_invariants,
-                 "reset_prefix_cache": self.block_manager.reset_prefix_cache}
+        calls = {
+            "stats": lambda: self.stats(),
+            "check_invariants": self.check_invariants,
+            "reset_prefix_cache": self.block_manager.reset_prefix_cache,
+        }
         if method not in calls:
             raise ValueError(f"unknown utility call {method!r}")
         return calls[method](*args)

@@ -44,6 +44,8 @@ def pack(tree: Any) -> tuple[dict[str, np.ndarray], Layout]:
 
 
 def unpack(buffers: dict[str, jax.Array], layout: Layout) -> Any:
-    leaves = [buffers[key][offset:offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
-              for key, offset, shape in layout.leaves]
+    leaves = [
+        buffers[key][offset : offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+        for key, offset, shape in layout.leaves
+    ]
     return jax.tree.unflatten(layout.treedef, leaves)

@@ -34,8 +34,9 @@ class InputProcessor:
                 raise ValueError(f"prompt is not valid text: {e}") from e
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < self.vocab_size
-                       for t in ids):
+            if not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids
+            ):
                 raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
             ids = [int(t) for t in ids]
         else:
@@ -44,13 +45,21 @@ class InputProcessor:
             raise ValueError("prompt is empty")
         return ids
 
-    def process(self, request_id: str, prompt: Prompt | list[int], params: SamplingParams, *,
-                cache_salt: str | None = None, arrival_time: float | None = None,
-                prompt_token_ids: list[int] | None = None) -> EngineCoreRequest:
+    def process(
+        self,
+        request_id: str,
+        prompt: Prompt | list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> EngineCoreRequest:
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len "
-                             f"({self.max_model_len})")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len ({self.max_model_len})"
+            )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, {self.vocab_size})")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -58,5 +67,6 @@ class InputProcessor:
         seed = params.device_seed
         if seed is None:
             seed = int(self.rng.integers(2**31 - 1))
-        return EngineCoreRequest(request_id, ids, params, seed,
-                                 time.monotonic() if arrival_time is None else arrival_time, cache_salt)
+        return EngineCoreRequest(
+            request_id, ids, params, seed, time.monotonic() if arrival_time is None else arrival_time, cache_salt
+        )

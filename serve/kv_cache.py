@@ -56,7 +56,7 @@ class BlockManager:
         self.cached: dict[int, CachedBlock] = {}
         self._uids = itertools.count()
         self.prefix_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_hits = 0     # tokens found there
+        self.prefix_hits = 0  # tokens found there
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,7 +73,7 @@ class BlockManager:
         self.ref_counts[block] += 1
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
-        return tuple(seq.tokens[i * self.block_size:(i + 1) * self.block_size])
+        return tuple(seq.tokens[i * self.block_size : (i + 1) * self.block_size])
 
     def _lookup(self, key: bytes, tokens: tuple[int, ...], salt: str | None, parent_uid: int | None) -> int | None:
         """The cached block holding exactly this content after this parent, or None."""

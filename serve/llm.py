@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -21,15 +21,20 @@ class LLM:
     """Batch generation with the continuous-batching engine."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        args = EngineArgs(**({"model": model} if model else {}), **engine_args)
+        named: dict[str, Any] = {"model": model} if model else {}
+        args = EngineArgs(**named, **engine_args)
         self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Outputs in the order of `prompts` (strings or token id lists)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -40,7 +45,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, dataclasses.replace(p or SamplingParams(), output_kind="final_only"))
+                self.engine.add_request(
+                    rid, prompt, dataclasses.replace(p or SamplingParams(), output_kind="final_only")
+                )
                 order.append(rid)
         except (ValueError, TypeError):
             for rid in order:  # a later prompt was refused: none of this call's prompts stay queued
@@ -48,13 +55,22 @@ class LLM:
             raise
         return self._run(order, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
-                   for c in conversations]
+        if tok is None:
+            raise ValueError("this engine has no tokenizer, so no chat template")
+        prompts: list[Prompt] = [
+            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -9,8 +9,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from serve.core_types import SchedulerStats
 from serve.output_processor import RequestIteration
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class ServerMetrics:
@@ -38,8 +57,12 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Sequences preempted (their KV freed, recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.success = Counter("jaxinfra:request_success", "Finished requests, by finish reason.",
-                               ["model_name", "finished_reason"], registry=r)
+        self.success = Counter(
+            "jaxinfra:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
@@ -57,9 +80,11 @@ class ServerMetrics:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
             self.kv_usage.set(stats.kv_cache_usage)
-            for key, value, metric in (("queries", stats.prefix_cache_queries, self.prefix_queries),
-                                       ("hits", stats.prefix_cache_hits, self.prefix_hits),
-                                       ("preemptions", stats.num_preemptions, self.preemptions)):
+            for key, value, metric in (
+                ("queries", stats.prefix_cache_queries, self.prefix_queries),
+                ("hits", stats.prefix_cache_hits, self.prefix_hits),
+                ("preemptions", stats.num_preemptions, self.preemptions),
+            ):
                 if value < self._seen[key]:  # a restarted core counts from zero again
                     self._seen[key] = 0
                 metric.inc(value - self._seen[key])

@@ -9,15 +9,34 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from serve.sampling_params import OutputKind, SamplingParams
 
 # Fields OpenAI accepts that this server does not implement: a clear 400, never silently ignored.
-UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "functions", "function_call", "response_format", "suffix",
-               "best_of", "echo", "parallel_tool_calls", "audio", "modalities", "prediction")
+UNSUPPORTED = (
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "suffix",
+    "best_of",
+    "echo",
+    "parallel_tool_calls",
+    "audio",
+    "modalities",
+    "prediction",
+)
 
 
 class OpenAIError(Exception):
     """An error answered with OpenAI's error JSON and a 4xx status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -87,13 +106,25 @@ class _Common(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None, output_kind: OutputKind) -> SamplingParams:
         """The engine's settings for this request (a ValueError names a bad field)."""
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty or 1.0,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, output_kind=output_kind)
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            output_kind=output_kind,
+        )
 
 
 class CompletionRequest(_Common):
@@ -109,9 +140,11 @@ class CompletionRequest(_Common):
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
+        if isinstance(p, str):
             return [p]
-        return list(p)
+        if p and isinstance(p[0], int):
+            return [[int(t) for t in p]]  # one token-id prompt
+        return [q if isinstance(q, str) else list(q) for q in p]  # type: ignore[arg-type]
 
 
 class TextPart(BaseModel):

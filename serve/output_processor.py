@@ -33,7 +33,7 @@ class _Seq:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    sent_text: int = 0     # delta mode: characters and tokens already delivered, and the finish
+    sent_text: int = 0  # delta mode: characters and tokens already delivered, and the finish
     sent_tokens: int = 0
     sent_finish: bool = False
 
@@ -49,8 +49,8 @@ class RequestIteration:
     request_id: str
     new_tokens: int
     metrics: RequestMetrics
-    first_tokens: bool           # this batch brought the request's first output tokens
-    finish_reason: str | None    # the request finished (first sequence's reason, or "abort")
+    first_tokens: bool  # this batch brought the request's first output tokens
+    finish_reason: str | None  # the request finished (first sequence's reason, or "abort")
 
 
 @dataclasses.dataclass
@@ -83,12 +83,29 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> None:
-        seqs = [_Seq(i, IncrementalDetokenizer(self.tokenizer, params), logprobs=[] if params.logprobs is not None
-                     else None) for i in range(params.n)]
-        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params, seqs,
-                                             RequestMetrics(arrival_time=arrival_time), unfinished=params.n)
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        seqs = [
+            _Seq(
+                i, IncrementalDetokenizer(self.tokenizer, params), logprobs=[] if params.logprobs is not None else None
+            )
+            for i in range(params.n)
+        ]
+        self.requests[request_id] = _Request(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            seqs,
+            RequestMetrics(arrival_time=arrival_time),
+            unfinished=params.n,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -111,7 +128,7 @@ class OutputProcessor:
             tokens, logprobs = co.new_token_ids, co.new_logprobs
             stop_at = seq.detok.add(tokens)
             if stop_at is not None:
-                tokens, logprobs = tokens[:stop_at + 1], logprobs and logprobs[:stop_at + 1]
+                tokens, logprobs = tokens[: stop_at + 1], logprobs and logprobs[: stop_at + 1]
                 req.finish(seq, "stop", seq.detok.stop_reason)
                 if co.finish_reason is None:
                     to_abort.append((req.request_id, seq.index))
@@ -135,8 +152,9 @@ class OutputProcessor:
             if finished:
                 req.metrics.finished_time = now
                 del requests[rid]
-            iterations.append(RequestIteration(rid, new, req.metrics, rid in first,
-                                               req.seqs[0].finish_reason if finished else None))
+            iterations.append(
+                RequestIteration(rid, new, req.metrics, rid in first, req.seqs[0].finish_reason if finished else None)
+            )
             out = self._output(req, finished)
             if out is not None:
                 outputs.append(out)
@@ -157,7 +175,9 @@ class OutputProcessor:
         for seq in req.seqs:
             req.finish(seq, "abort")
         req.metrics.finished_time = time.monotonic()
-        return self._output(req, True, force=True), RequestIteration(request_id, 0, req.metrics, False, "abort")
+        out = self._output(req, True, force=True)
+        assert out is not None  # forced
+        return out, RequestIteration(request_id, 0, req.metrics, False, "abort")
 
     def _output(self, req: _Request, finished: bool, force: bool = False) -> RequestOutput | None:
         kind = req.params.output_kind
@@ -169,17 +189,34 @@ class OutputProcessor:
             detok = seq.detok
             end = detok.streamable(done)
             if kind == "delta":
-                ids = seq.token_ids[seq.sent_tokens:]
-                text = detok.text[seq.sent_text:end] if end > seq.sent_text else ""
+                ids = seq.token_ids[seq.sent_tokens :]
+                text = detok.text[seq.sent_text : end] if end > seq.sent_text else ""
                 if not (text or ids or force or (done and not seq.sent_finish)):
                     continue
-                logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens:]
+                logprobs = None if seq.logprobs is None else seq.logprobs[seq.sent_tokens :]
                 seq.sent_text, seq.sent_tokens, seq.sent_finish = max(end, seq.sent_text), len(seq.token_ids), done
             else:
                 text, ids, logprobs = detok.text[:end], list(seq.token_ids), seq.logprobs and list(seq.logprobs)
-            outs.append(CompletionOutput(seq.index, text, ids, None if seq.logprobs is None else seq.cumulative_logprob,
-                                         logprobs, seq.finish_reason, seq.stop_reason))
+            outs.append(
+                CompletionOutput(
+                    seq.index,
+                    text,
+                    ids,
+                    None if seq.logprobs is None else seq.cumulative_logprob,
+                    logprobs,
+                    seq.finish_reason,
+                    seq.stop_reason,
+                )
+            )
         if not outs:
             return None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs, finished,
-                             req.metrics, req.num_cached_tokens)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            req.prompt_logprobs,
+            outs,
+            finished,
+            req.metrics,
+            req.num_cached_tokens,
+        )

@@ -21,10 +21,10 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxinfra.models import LlamaModel
-from pallas_kernels import PagedKVCache, PagedMetadata, TilePlan, kv_bytes_per_element, paged_impl, tile_plan
+from pallas_kernels import PagedKVCache, PagedMetadata, kv_bytes_per_element, paged_impl, tile_plan
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
 from serve.host_transfer import pack, unpack
-from serve.sampler import SamplerOutput, SamplingTensors, apply_penalties, sample
+from serve.sampler import ROW_FIELDS, SamplerOutput, SamplingTensors, apply_penalties, row_settings, sample
 from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGPROBS
 from serve.scheduler import SchedulerOutput
 from serve.sequence import Sequence
@@ -60,29 +60,28 @@ class StepBatch:
     """One device step, prepared on the host: the sequences in row order and the arrays to send."""
 
     seqs: list[Sequence]
-    starts: np.ndarray                # tokens each sequence had computed before this step
-    counts: np.ndarray                # new tokens per sequence
-    samples: np.ndarray               # bool per sequence: its prompt is done, so it samples a token
+    starts: np.ndarray  # tokens each sequence had computed before this step
+    counts: np.ndarray  # new tokens per sequence
+    samples: np.ndarray  # bool per sequence: its prompt is done, so it samples a token
     inputs: dict[str, Any]
     sampling: SamplingTensors
     max_q_len: int
-    num_steps: int = 1                # > 1: a jitted multi-step decode loop
+    num_steps: int = 1  # > 1: a jitted multi-step decode loop
     budget: np.ndarray | None = None  # multi-step: tokens each row may still produce
     history: tuple[np.ndarray, np.ndarray] | None = None  # penalties: [S, L] ids and is-output flags
     prompt_logprobs: bool = False
 
 
+LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
+
+
 @dataclasses.dataclass
 class StepResult:
-    """Host copies of what a step produced, rows in scheduled order; multi-step arrays are [K, S]."""
+    """Host copies of what a step produced, rows in scheduled order; a decode loop's are [K, S, ...]."""
 
     tokens: np.ndarray
-    logprob: np.ndarray | None = None
-    top_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    prompt_logprob: np.ndarray | None = None   # [T] log p(next prompt token)
-    prompt_top_ids: np.ndarray | None = None   # [T, MAX_LOGPROBS]
-    prompt_top_logprobs: np.ndarray | None = None
+    logprobs: LogprobArrays | None = None  # sampled tokens': [S], [S, MAX_LOGPROBS] x 2
+    prompt_logprobs: LogprobArrays | None = None  # per prompt token: log p(next prompt token), top ids, top
 
 
 @dataclasses.dataclass
@@ -91,7 +90,7 @@ class InFlight:
 
     batch: StepBatch
     out: SamplerOutput
-    prompt: tuple[jax.Array, jax.Array, jax.Array]
+    prompt: tuple[jax.Array, ...]  # prompt logprob arrays, empty for a decode loop
 
     def wait(self) -> None:
         """Block until the device has finished the step."""
@@ -105,24 +104,24 @@ class InFlight:
         host = jax.device_get(arrays)
         res = StepResult(host[0])
         if want_lp:
-            res.logprob, res.top_ids, res.top_logprobs = host[1:4]
+            res.logprobs = (host[1], host[2], host[3])
         if self.batch.prompt_logprobs:
-            res.prompt_logprob, res.prompt_top_ids, res.prompt_top_logprobs = host[-3:]
+            res.prompt_logprobs = (host[-3], host[-2], host[-1])
         return res
 
 
 class SlotTable:
     """Per-sequence rows kept across steps (vLLM's persistent batch): a sequence's sampling settings
     are written once, when it is first scheduled, and its block ids as it grows; a step gathers its
-    rows with one indexing operation instead of a Python loop per field."""
+    rows with one indexing operation per field instead of a Python loop."""
 
     def __init__(self, capacity: int, max_blocks: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.blocks = np.zeros((capacity, max_blocks), np.int32)
         self.num_blocks = np.zeros(capacity, np.int32)
-        self.floats = np.zeros((capacity, 6), np.float32)  # temperature, min_p, top_p, presence, frequency, rep.
-        self.ints = np.zeros((capacity, 4), np.int32)      # top_k, seed, sibling, min_tokens
-        self.flags = np.zeros((capacity, 2), bool)         # ignore_eos, logprobs
+        self.settings: dict[str, np.ndarray] = {
+            name: np.full(capacity, pad, dtype) for name, (dtype, pad) in ROW_FIELDS.items()
+        }
         self.stop_ids = np.full((capacity, MAX_BANNED_STOP_IDS), -1, np.int32)
         self.prompt_len = np.zeros(capacity, np.int32)
         self.max_output = np.zeros(capacity, np.int32)
@@ -137,13 +136,11 @@ class SlotTable:
         if slot is None:
             slot = self.slot_of[seq.seq_id] = self.free.pop()
             p = seq.params
-            self.floats[slot] = (p.temperature, p.min_p, p.top_p, p.presence_penalty, p.frequency_penalty,
-                                 p.repetition_penalty)
-            self.ints[slot] = (min(p.top_k, self.vocab_size), seq.seed, seq.index, p.min_tokens)
-            self.flags[slot] = (p.ignore_eos, p.logprobs is not None)
+            for name, value in row_settings(p, seq.seed, seq.index, self.vocab_size).items():
+                self.settings[name][slot] = value
             ids = p.stop_token_ids[:MAX_BANNED_STOP_IDS]
             self.stop_ids[slot] = -1
-            self.stop_ids[slot, :len(ids)] = ids
+            self.stop_ids[slot, : len(ids)] = ids
             self.prompt_len[slot], self.max_output[slot] = seq.prompt_len, seq.max_output
             self.penalties[slot], self.prompt_logprobs[slot] = p.uses_penalties, seq.wants_prompt_logprobs
             self.num_blocks[slot] = 0
@@ -162,28 +159,36 @@ class SlotTable:
     def sampling(self, rows: np.ndarray, sb: int, out_pos: np.ndarray) -> SamplingTensors:
         """The sampler's [sb] rows: the given rows, then padding rows (greedy, no filters)."""
         n = len(rows)
-        floats = np.zeros((sb, 6), np.float32)
-        floats[:, 2] = floats[:, 5] = 1.0  # top_p, repetition_penalty defaults for padding rows
-        floats[:n] = self.floats[rows]
-        ints = np.zeros((sb, 5), np.int32)
-        ints[:n, :4] = self.ints[rows]
-        ints[:n, 4] = out_pos
-        flags = np.zeros((sb, 2), bool)
-        flags[:n] = self.flags[rows]
-        stop_ids = np.full((sb, MAX_BANNED_STOP_IDS), -1, np.int32)
-        stop_ids[:n] = self.stop_ids[rows]
-        return SamplingTensors(
-            temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 2], min_p=floats[:, 1], seed=ints[:, 1],
-            sibling=ints[:, 2], out_pos=ints[:, 4], min_tokens=ints[:, 3], ignore_eos=flags[:, 0],
-            stop_ids=stop_ids, logprobs=flags[:, 1], presence=floats[:, 3], frequency=floats[:, 4],
-            repetition=floats[:, 5])
+
+        def padded(col: np.ndarray, pad: float | int | bool, values: np.ndarray) -> np.ndarray:
+            out = np.full((sb, *col.shape[1:]), pad, col.dtype)
+            out[:n] = values
+            return out
+
+        fields: dict[str, Any] = {
+            name: padded(col, ROW_FIELDS[name][1], col[rows]) for name, col in self.settings.items()
+        }
+        fields["out_pos"] = padded(self.prompt_len, 0, out_pos)
+        fields["stop_ids"] = padded(self.stop_ids, -1, self.stop_ids[rows])
+        return SamplingTensors(**fields)  # numpy here; jax arrays inside the jitted step
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, *, block_size: int, num_blocks: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, kv_cache_dtype: str = "auto",
-                 eos_token_ids: tuple[int, ...] = (), tensor_parallel_size: int = 1,
-                 attn_impl: str | None = None, num_scheduler_steps: int = 1) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv_cache_dtype: str = "auto",
+        eos_token_ids: tuple[int, ...] = (),
+        tensor_parallel_size: int = 1,
+        attn_impl: str | None = None,
+        num_scheduler_steps: int = 1,
+    ) -> None:
         cfg = model.cfg
         self.cfg = cfg
         self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
@@ -194,17 +199,20 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps
         self.host_plan = paged_impl(attn_impl) == "xla"  # the XLA attention reads a host-built tile plan
         self.graphdef, self.state = nnx.split(model)
-        dtype = jnp.int8 if kv_cache_dtype == "int8" else cfg.dtype
-        self.caches = [PagedKVCache.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-                       for _ in range(cfg.num_layers)]
+        dtype = jnp.dtype(jnp.int8 if kv_cache_dtype == "int8" else cfg.dtype)
+        self.caches = [
+            PagedKVCache.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+            for _ in range(cfg.num_layers)
+        ]
         self.rules = get_rules("tp")
         self.mesh = None
         if tensor_parallel_size > 1:  # weights and KV pools split over KV heads
             self.mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads)
             self.state = shard_state(self.state, self.mesh, self.rules.params)
             pool = self.caches[0].k.shape
-            self.caches = jax.device_put(self.caches, named_sharding(
-                (None, None, "kv_heads", "head_dim"), self.rules.params, pool, self.mesh))
+            self.caches = jax.device_put(
+                self.caches, named_sharding((None, None, "kv_heads", "head_dim"), self.rules.params, pool, self.mesh)
+            )
         # The weights travel as a flat list: flattening an nnx.State on every call costs more than the step.
         self.weights, self.state_def = jax.tree.flatten(self.state)
         self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
@@ -214,7 +222,7 @@ class ModelRunner:
         self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
         self.num_compilations = 0
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
-        self.prev_tokens = self._no_prev    # the last single step's sampled tokens, on device
+        self.prev_tokens = self._no_prev  # the last single step's sampled tokens, on device
         self.prev_rows: dict[int, int] = {}  # seq_id -> its row in prev_tokens
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
         self._multi = jax.jit(self._multi_impl, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
@@ -230,8 +238,9 @@ class ModelRunner:
         with logical_rules(self.mesh, self.rules.activations):
             return fn(*args, **kwargs)
 
-    def _meta(self, inputs: dict, kv_lens: jax.Array, slots: jax.Array, max_q_len: int,
-              q_pos: jax.Array | None = None) -> PagedMetadata:
+    def _meta(
+        self, inputs: dict, kv_lens: jax.Array, slots: jax.Array, max_q_len: int, q_pos: jax.Array | None = None
+    ) -> PagedMetadata:
         plan = inputs.get("plan")
         if plan is not None and q_pos is not None:
             plan = dataclasses.replace(plan, q_pos=q_pos[:, None])
@@ -243,7 +252,7 @@ class ModelRunner:
         return jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], inputs["input_ids"])
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
-        return jnp.zeros((self.max_num_seqs,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+        return jnp.zeros((self.max_num_seqs,), jnp.int32).at[: tokens.shape[0]].set(tokens)
 
     def _prompt_logprobs(self, model: LlamaModel, h: jax.Array, targets: jax.Array):
         """log p(next prompt token) and the top MAX_LOGPROBS per token, a chunk of tokens at a time."""
@@ -260,8 +269,11 @@ class ModelRunner:
             return jnp.take_along_axis(lp, jnp.maximum(tc, 0)[:, None], axis=-1)[:, 0], top_ids, top_lp
 
         target, ids, lps = jax.lax.map(one, (hs, ts))
-        return target.reshape(-1)[:t], ids.reshape(-1, MAX_LOGPROBS)[:t].astype(jnp.int32), \
-            lps.reshape(-1, MAX_LOGPROBS)[:t]
+        return (
+            target.reshape(-1)[:t],
+            ids.reshape(-1, MAX_LOGPROBS)[:t].astype(jnp.int32),
+            lps.reshape(-1, MAX_LOGPROBS)[:t],
+        )
 
     def _step_impl(self, state, caches, buffers, prev_tokens, *, layout, max_q_len):
         self._traced()
@@ -278,16 +290,23 @@ class ModelRunner:
         out = sample(logits, sampling, eos_ids=self.eos_token_ids)
         targets = inputs["prompt_targets"]
         t = targets.shape[0]
-        zeros = lambda: (jnp.zeros((t,), jnp.float32), jnp.zeros((t, MAX_LOGPROBS), jnp.int32),  # noqa: E731
-                         jnp.zeros((t, MAX_LOGPROBS), jnp.float32))
+        zeros = lambda: (
+            jnp.zeros((t,), jnp.float32),
+            jnp.zeros((t, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((t, MAX_LOGPROBS), jnp.float32),
+        )
         prompt = jax.lax.cond(jnp.any(targets >= 0), lambda: self._prompt_logprobs(model, h, targets), zeros)
         return out, self._padded(out.tokens), logits, prompt, caches
 
     def _penalized_impl(self, logits, buffers, *, layout):
         self._traced()
         sampling, history, is_output = unpack(buffers, layout)
-        out = sample(apply_penalties(logits, sampling, history, is_output), sampling, eos_ids=self.eos_token_ids,
-                     raw_logits=logits)
+        out = sample(
+            apply_penalties(logits, sampling, history, is_output),
+            sampling,
+            eos_ids=self.eos_token_ids,
+            raw_logits=logits,
+        )
         return out, self._padded(out.tokens)
 
     def _multi_impl(self, state, caches, buffers, prev_tokens, *, layout, num_steps):
@@ -314,18 +333,27 @@ class ModelRunner:
             t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
             out = sample(model.logits(h[0]), t, eos_ids=self.eos_token_ids)
             produced = t.out_pos + 1
-            stop_token = (jnp.any(out.tokens[:, None] == eos[None, :], axis=1) & ~t.ignore_eos) | \
-                jnp.any(out.tokens[:, None] == t.stop_ids, axis=1)
+            stop_token = (jnp.any(out.tokens[:, None] == eos[None, :], axis=1) & ~t.ignore_eos) | jnp.any(
+                out.tokens[:, None] == t.stop_ids, axis=1
+            )
             stopped = ((produced >= t.min_tokens) & stop_token) | (i + 1 >= budget)
-            acc = jax.tree.map(lambda a, x: a.at[i].set(x), acc,
-                               (jnp.where(active, out.tokens, -1), out.logprob, out.top_ids, out.top_logprobs))
+            acc = jax.tree.map(
+                lambda a, x: a.at[i].set(x),
+                acc,
+                (jnp.where(active, out.tokens, -1), out.logprob, out.top_ids, out.top_logprobs),
+            )
             return i + 1, out.tokens, active & ~stopped, caches, acc
 
-        acc = (jnp.full((num_steps, s), -1, jnp.int32), jnp.zeros((num_steps, s), jnp.float32),
-               jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.float32))
+        acc = (
+            jnp.full((num_steps, s), -1, jnp.int32),
+            jnp.zeros((num_steps, s), jnp.float32),
+            jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.float32),
+        )
         init = (jnp.int32(0), self._input_ids(inputs, prev_tokens), budget > 0, caches, acc)
         _, _, _, caches, (tokens, lp, top_ids, top_lp) = jax.lax.while_loop(
-            lambda c: (c[0] < num_steps) & jnp.any(c[2]), body, init)
+            lambda c: (c[0] < num_steps) & jnp.any(c[2]), body, init
+        )
         return SamplerOutput(tokens, lp, top_ids, top_lp), caches
 
     # --- host side --------------------------------------------------------------------------------
@@ -346,8 +374,8 @@ class ModelRunner:
         sb = fit(n_seq, self.seq_buckets) if decode_only else self.max_num_seqs
         tb = sb if decode_only else fit(n_tok, self.token_buckets)
         cu = np.zeros(sb + 1, np.int32)
-        np.cumsum(counts, out=cu[1:n_seq + 1])
-        cu[n_seq + 1:] = cu[n_seq]
+        np.cumsum(counts, out=cu[1 : n_seq + 1])
+        cu[n_seq + 1 :] = cu[n_seq]
         seq_of_tok = np.repeat(np.arange(n_seq), counts)
         positions = np.zeros(tb, np.int32)
         positions[:n_tok] = starts[seq_of_tok] + np.arange(n_tok) - cu[seq_of_tok]
@@ -364,7 +392,7 @@ class ModelRunner:
             for i, (s, n) in enumerate(scheduled):
                 start = s.num_computed_tokens
                 if start + n <= len(s.tokens):
-                    input_ids[cu[i]:cu[i] + n] = s.tokens[start:start + n]
+                    input_ids[cu[i] : cu[i] + n] = s.tokens[start : start + n]
                 else:  # a decode of the token the previous step is still sampling on the device
                     prev_index[cu[i]] = self.prev_rows[s.seq_id]
         slots = np.full(tb, -1, np.int32)
@@ -373,24 +401,40 @@ class ModelRunner:
         kv_lens = np.zeros(sb, np.int32)
         kv_lens[:n_seq] = starts + counts
         logits_indices = np.zeros(sb, np.int32)
-        logits_indices[:n_seq] = cu[1:n_seq + 1] - 1
+        logits_indices[:n_seq] = cu[1 : n_seq + 1] - 1
         out_pos = num_tokens - table.prompt_len[rows]
         max_q_len = 1 if decode_only else tb
         inputs: dict[str, Any] = dict(
-            input_ids=input_ids, prev_index=prev_index, positions=positions, slot_mapping=slots,
-            block_tables=block_tables, cu_q_lens=cu, kv_lens=kv_lens, logits_indices=logits_indices)
+            input_ids=input_ids,
+            prev_index=prev_index,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=block_tables,
+            cu_q_lens=cu,
+            kv_lens=kv_lens,
+            logits_indices=logits_indices,
+        )
         prompt_logprobs = False
         if num_steps == 1:
             targets = np.full(tb, -1, np.int32)
             if table.prompt_logprobs[rows].any():
                 for i, (s, n) in enumerate(scheduled):
                     if s.wants_prompt_logprobs and s.num_computed_tokens < s.prompt_len:
-                        nxt = s.tokens[s.num_computed_tokens + 1:min(s.num_computed_tokens + n + 1, s.prompt_len)]
-                        targets[cu[i]:cu[i] + len(nxt)] = nxt
+                        nxt = s.tokens[s.num_computed_tokens + 1 : min(s.num_computed_tokens + n + 1, s.prompt_len)]
+                        targets[cu[i] : cu[i] + len(nxt)] = nxt
                         prompt_logprobs = True
             inputs["prompt_targets"] = targets
-        batch = StepBatch(seqs, starts, counts, starts + counts >= num_tokens, inputs,
-                          table.sampling(rows, sb, out_pos), max_q_len, num_steps, prompt_logprobs=prompt_logprobs)
+        batch = StepBatch(
+            seqs,
+            starts,
+            counts,
+            starts + counts >= num_tokens,
+            inputs,
+            table.sampling(rows, sb, out_pos),
+            max_q_len,
+            num_steps,
+            prompt_logprobs=prompt_logprobs,
+        )
         plan_kv = kv_lens
         if num_steps > 1:
             left = np.minimum(self.max_model_len - num_tokens, table.max_output[rows] - out_pos)
@@ -415,21 +459,23 @@ class ModelRunner:
         history = np.full((sb, self.max_model_len), -1, np.int32)
         is_out = np.zeros((sb, self.max_model_len), bool)
         for i, s in enumerate(seqs):
-            history[i, :len(s.tokens)] = s.tokens
-            is_out[i, s.prompt_len:len(s.tokens)] = True
+            history[i, : len(s.tokens)] = s.tokens
+            is_out[i, s.prompt_len : len(s.tokens)] = True
         return history, is_out
 
     def dispatch(self, batch: StepBatch) -> InFlight:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
         if batch.num_steps > 1:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
-            out, self.caches = self._multi(self.weights, self.caches, buffers, self.prev_tokens, layout=layout,
-                                           num_steps=batch.num_steps)
+            out, self.caches = self._multi(
+                self.weights, self.caches, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
+            )
             self.prev_tokens, self.prev_rows = self._no_prev, {}
             return InFlight(batch, out, ())
         buffers, layout = pack((batch.inputs, batch.sampling))
-        out, padded, logits, prompt, self.caches = self._step(self.weights, self.caches, buffers, self.prev_tokens,
-                                                              layout=layout, max_q_len=batch.max_q_len)
+        out, padded, logits, prompt, self.caches = self._step(
+            self.weights, self.caches, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+        )
         if batch.history is not None:
             buffers, layout = pack((batch.sampling, *batch.history))
             out, padded = self._penalized(logits, buffers, layout=layout)
@@ -441,13 +487,15 @@ class ModelRunner:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
         if batch.num_steps > 1:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
-            lowered = self._multi.lower(self.weights, self.caches, buffers, self.prev_tokens, layout=layout,
-                                        num_steps=batch.num_steps)
+            lowered = self._multi.lower(
+                self.weights, self.caches, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
+            )
         else:
             buffers, layout = pack((batch.inputs, batch.sampling))
-            lowered = self._step.lower(self.weights, self.caches, buffers, self.prev_tokens, layout=layout,
-                                       max_q_len=batch.max_q_len)
-        return lowered.compile().as_text()
+            lowered = self._step.lower(
+                self.weights, self.caches, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+            )
+        return lowered.compile().as_text() or ""
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Prepare, run and fetch one step synchronously."""
@@ -463,17 +511,31 @@ class ModelRunner:
     def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         """An empty batch of the given shape (what warm-up compiles)."""
         inputs: dict[str, Any] = dict(
-            input_ids=np.zeros(tb, np.int32), prev_index=np.full(tb, -1, np.int32), positions=np.zeros(tb, np.int32),
-            slot_mapping=np.full(tb, -1, np.int32), block_tables=np.zeros((sb, width), np.int32),
-            cu_q_lens=np.zeros(sb + 1, np.int32), kv_lens=np.zeros(sb, np.int32), logits_indices=np.zeros(sb, np.int32))
+            input_ids=np.zeros(tb, np.int32),
+            prev_index=np.full(tb, -1, np.int32),
+            positions=np.zeros(tb, np.int32),
+            slot_mapping=np.full(tb, -1, np.int32),
+            block_tables=np.zeros((sb, width), np.int32),
+            cu_q_lens=np.zeros(sb + 1, np.int32),
+            kv_lens=np.zeros(sb, np.int32),
+            logits_indices=np.zeros(sb, np.int32),
+        )
         if num_steps == 1:
             inputs["prompt_targets"] = np.full(tb, -1, np.int32)
         if self.host_plan:
-            inputs["plan"] = tile_plan(inputs["cu_q_lens"], inputs["kv_lens"], inputs["block_tables"], self.block_size,
-                                       tb, tile_tokens(q, tb), np)
+            inputs["plan"] = tile_plan(
+                inputs["cu_q_lens"],
+                inputs["kv_lens"],
+                inputs["block_tables"],
+                self.block_size,
+                tb,
+                tile_tokens(q, tb),
+                np,
+            )
         empty = np.zeros(0, np.int32)
-        batch = StepBatch([], empty, empty, np.zeros(0, bool), inputs, self.slots.sampling(empty, sb, empty), q,
-                          num_steps)
+        batch = StepBatch(
+            [], empty, empty, np.zeros(0, bool), inputs, self.slots.sampling(empty, sb, empty), q, num_steps
+        )
         if num_steps > 1:
             batch.budget = np.zeros(sb, np.int32)
         return batch
@@ -483,8 +545,11 @@ class ModelRunner:
         num_scheduler_steps > 1, the decode loop per decode shape."""
         jobs = [self.dummy(*shape) for shape in self.shapes()]
         if self.num_scheduler_steps > 1:
-            jobs += [self.dummy(sb, sb, w, 1, self.num_scheduler_steps)
-                     for sb in self.seq_buckets for w in self.width_buckets]
+            jobs += [
+                self.dummy(sb, sb, w, 1, self.num_scheduler_steps)
+                for sb in self.seq_buckets
+                for w in self.width_buckets
+            ]
         for sb in self.seq_buckets:
             batch = self.dummy(sb, sb, self.width_buckets[0], 1)
             batch.history = self._history([], sb)

@@ -11,9 +11,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from serve.sampling_params import MAX_LOGPROBS
+from jaxinfra.sampling import filter_logits, top_p_min_p_cutoff
+from serve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # When every random row has 0 < top_k <= this, sampling works on that many candidates instead of
 # sorting the whole vocabulary.
@@ -27,33 +29,70 @@ class SamplingTensors:
     samples do not depend on what else is in the batch. While out_pos < min_tokens, `stop_ids`
     [S, K] (-1 padding) and, unless ignore_eos, the model's EOS ids may not be sampled."""
 
-    temperature: Float[Array, "S"]
-    top_k: Int[Array, "S"]
-    top_p: Float[Array, "S"]
-    min_p: Float[Array, "S"]
-    seed: Int[Array, "S"]
-    sibling: Int[Array, "S"]
-    out_pos: Int[Array, "S"]
-    min_tokens: Int[Array, "S"]
-    ignore_eos: Bool[Array, "S"]
+    temperature: Float[Array, " S"]
+    top_k: Int[Array, " S"]
+    top_p: Float[Array, " S"]
+    min_p: Float[Array, " S"]
+    seed: Int[Array, " S"]
+    sibling: Int[Array, " S"]
+    out_pos: Int[Array, " S"]
+    min_tokens: Int[Array, " S"]
+    ignore_eos: Bool[Array, " S"]
     stop_ids: Int[Array, "S K"]
-    logprobs: Bool[Array, "S"]
-    presence: Float[Array, "S"]
-    frequency: Float[Array, "S"]
-    repetition: Float[Array, "S"]
+    logprobs: Bool[Array, " S"]
+    presence: Float[Array, " S"]
+    frequency: Float[Array, " S"]
+    repetition: Float[Array, " S"]
+
+
+# The per-row settings a request carries: (dtype, value for padding rows). out_pos and stop_ids vary
+# per step or are two-dimensional, and are filled separately.
+ROW_FIELDS: dict[str, tuple[type, float | int | bool]] = {
+    "temperature": (np.float32, 0.0),
+    "top_k": (np.int32, 0),
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "seed": (np.int32, 0),
+    "sibling": (np.int32, 0),
+    "min_tokens": (np.int32, 0),
+    "ignore_eos": (np.bool_, False),
+    "logprobs": (np.bool_, False),
+    "presence": (np.float32, 0.0),
+    "frequency": (np.float32, 0.0),
+    "repetition": (np.float32, 1.0),
+}
+
+
+def row_settings(params: SamplingParams, seed: int, sibling: int, vocab_size: int) -> dict[str, float | int | bool]:
+    """One request's values for ROW_FIELDS."""
+    return {
+        "temperature": params.temperature,
+        "top_k": min(params.top_k, vocab_size),
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "seed": seed,
+        "sibling": sibling,
+        "min_tokens": params.min_tokens,
+        "ignore_eos": params.ignore_eos,
+        "logprobs": params.logprobs is not None,
+        "presence": params.presence_penalty,
+        "frequency": params.frequency_penalty,
+        "repetition": params.repetition_penalty,
+    }
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
-    tokens: Int[Array, "S"]
-    logprob: Float[Array, "S"]       # log p(sampled token) under the model's raw distribution
-    top_ids: Int[Array, "S N"]       # the MAX_LOGPROBS most likely tokens (rows that asked)
+    tokens: Int[Array, " S"]
+    logprob: Float[Array, " S"]  # log p(sampled token) under the model's raw distribution
+    top_ids: Int[Array, "S N"]  # the MAX_LOGPROBS most likely tokens (rows that asked)
     top_logprobs: Float[Array, "S N"]
 
 
-def apply_penalties(logits: Float[Array, "S V"], t: SamplingTensors, history: Int[Array, "S L"],
-                    history_is_output: Bool[Array, "S L"]) -> Float[Array, "S V"]:
+def apply_penalties(
+    logits: Float[Array, "S V"], t: SamplingTensors, history: Int[Array, "S L"], history_is_output: Bool[Array, "S L"]
+) -> Float[Array, "S V"]:
     """vLLM's repetition (prompt + output), frequency and presence (output) penalties; -1 pads history."""
     s, v = logits.shape
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], history.shape)
@@ -79,18 +118,10 @@ def _row_key(seed: jax.Array, sibling: jax.Array, pos: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sibling), pos)
 
 
-def _keep_top_p_min_p(sorted_desc: jax.Array, t: SamplingTensors) -> jax.Array:
-    """The smallest logit each row keeps after top-p and min-p, from its logits sorted descending."""
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < t.top_p[:, None]) & (probs >= t.min_p[:, None] * probs[:, :1])
-    return jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-
-
 def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Gumbel-max over the top-k / top-p / min-p support of temperature-scaled logits. The noise is
     drawn per (row key, token id), so the candidates shortcut picks exactly what the full sort would."""
-    s, v = logits.shape
+    v = logits.shape[-1]
     scaled = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
     keys = jax.vmap(_row_key)(t.seed, t.sibling, t.out_pos)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
@@ -100,17 +131,12 @@ def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     def candidates() -> jax.Array:
         vals, ids = jax.lax.top_k(scaled, TOPK_CANDIDATES)
         vals = jnp.where(jnp.arange(TOPK_CANDIDATES)[None, :] < t.top_k[:, None], vals, -jnp.inf)
-        vals = jnp.where(vals >= _keep_top_p_min_p(vals, t), vals, -jnp.inf)
+        vals = jnp.where(vals >= top_p_min_p_cutoff(vals, t.top_p, t.min_p), vals, -jnp.inf)
         pick = jnp.argmax(vals + jnp.take_along_axis(noise, ids, axis=1), axis=-1)
         return jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
 
     def full_sort() -> jax.Array:
-        sorted_desc = -jnp.sort(-scaled, axis=-1)
-        kth = jnp.take_along_axis(sorted_desc, jnp.clip(t.top_k - 1, 0, v - 1)[:, None], axis=-1)
-        in_topk = ~topk_on[:, None] | (scaled >= kth)
-        sorted_desc = jnp.where(~topk_on[:, None] | (sorted_desc >= kth), sorted_desc, -jnp.inf)
-        keep = in_topk & (scaled >= _keep_top_p_min_p(sorted_desc, t))
-        return jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + noise, axis=-1)
+        return jnp.argmax(filter_logits(scaled, top_k=t.top_k, top_p=t.top_p, min_p=t.min_p) + noise, axis=-1)
 
     if v < TOPK_CANDIDATES:
         return full_sort().astype(jnp.int32)
@@ -118,15 +144,23 @@ def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jax.lax.cond(few, candidates, full_sort).astype(jnp.int32)
 
 
-def sample(logits: Float[Array, "S V"], t: SamplingTensors, *, eos_ids: tuple[int, ...] = (),
-           raw_logits: Float[Array, "S V"] | None = None) -> SamplerOutput:
+def sample(
+    logits: Float[Array, "S V"],
+    t: SamplingTensors,
+    *,
+    eos_ids: tuple[int, ...] = (),
+    raw_logits: Float[Array, "S V"] | None = None,
+) -> SamplerOutput:
     """One token per row; temperature-0 rows are greedy, and an all-greedy batch skips the random
     path at run time. Logprobs are of `raw_logits` (the model's, before penalties; default `logits`)."""
     raw = (logits if raw_logits is None else raw_logits).astype(jnp.float32)
     masked = _ban(logits.astype(jnp.float32), t, eos_ids)
     greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
-    tokens = jax.lax.cond(jnp.any(t.temperature > 0),
-                          lambda: jnp.where(t.temperature > 0, _random_tokens(masked, t), greedy), lambda: greedy)
+    tokens = jax.lax.cond(
+        jnp.any(t.temperature > 0),
+        lambda: jnp.where(t.temperature > 0, _random_tokens(masked, t), greedy),
+        lambda: greedy,
+    )
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
         lp = jax.nn.log_softmax(raw, axis=-1)
@@ -135,8 +169,11 @@ def sample(logits: Float[Array, "S V"], t: SamplingTensors, *, eos_ids: tuple[in
 
     def without() -> tuple[jax.Array, jax.Array, jax.Array]:
         s = raw.shape[0]
-        return (jnp.zeros((s,), jnp.float32), jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((s, MAX_LOGPROBS), jnp.float32))
+        return (
+            jnp.zeros((s,), jnp.float32),
+            jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((s, MAX_LOGPROBS), jnp.float32),
+        )
 
     chosen, top_ids, top_lp = jax.lax.cond(jnp.any(t.logprobs), with_logprobs, without)
     return SamplerOutput(tokens, chosen, top_ids, top_lp)

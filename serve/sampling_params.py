@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20           # top alternatives per position (vLLM's default max_logprobs)
-MAX_BANNED_STOP_IDS = 32    # stop_token_ids held back on device while min_tokens is not reached
+MAX_LOGPROBS = 20  # top alternatives per position (vLLM's default max_logprobs)
+MAX_BANNED_STOP_IDS = 32  # stop_token_ids held back on device while min_tokens is not reached
 OutputKind = Literal["cumulative", "delta", "final_only"]
 
 
@@ -33,8 +33,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)  # a string or None also accepted
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # None also accepted
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -88,7 +88,9 @@ class SamplingParams:
             raise bad("stop", "must be a string or a list of strings")
         self.stop = [s for s in (self.stop or []) if s]
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple, type(None))) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids or []):
+        if not isinstance(ids, (list, tuple, type(None))) or not all(
+            _is_int(t) and 0 <= t <= INT32_MAX for t in ids or []
+        ):
             raise bad("stop_token_ids", f"must be a list of ints in [0, {INT32_MAX}]")
         self.stop_token_ids = list(ids or [])
         if self.min_tokens > 0 and len(set(self.stop_token_ids)) > MAX_BANNED_STOP_IDS:

@@ -22,8 +22,15 @@ class Sequence:
     may still be on the device: `num_pending` counts those, and `num_tokens` includes them. A request
     with n > 1 owns n sequences."""
 
-    def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                 seed: int, cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        cache_salt: str | None = None,
+    ) -> None:
         self.seq_id = next(_counter)
         self.request_id = request_id
         self.index = index
@@ -38,9 +45,9 @@ class Sequence:
         self.num_pending = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # keys of this sequence's full blocks, in order
-        self.chain_uids: list[int] = []      # the cached block each full block's prefix resolves to (-1: none)
+        self.chain_uids: list[int] = []  # the cached block each full block's prefix resolves to (-1: none)
         self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
+        self.stop_reason: int | None = None  # the stop token id (stop strings are the frontend's)
         self.prompt_logprobs: list = []
         self.started = False  # has sent an output
         # the stop rules, read every step

@@ -1,9 +1,23 @@
 """Meshes and logical-axis rules (data, FSDP/ZeRO, tensor parallelism)."""
 
 from sharding.logical import LOGICAL_AXES, constrain, logical_rules, logical_to_spec, named_sharding, shard_state
-from sharding.mesh import AXES, MeshConfig, initialize_distributed, make_mesh, tensor_parallel_mesh
+from sharding.mesh import AXES, MeshConfig, initialize_distributed, make_mesh, parallel_sizes, tensor_parallel_mesh
 from sharding.rules import PRESETS, ShardingRules, get_rules
 
-__all__ = ["AXES", "LOGICAL_AXES", "PRESETS", "MeshConfig", "ShardingRules", "constrain", "get_rules",
-           "initialize_distributed", "logical_rules", "logical_to_spec", "make_mesh", "named_sharding", "shard_state",
-           "tensor_parallel_mesh"]
+__all__ = [
+    "AXES",
+    "LOGICAL_AXES",
+    "PRESETS",
+    "MeshConfig",
+    "ShardingRules",
+    "constrain",
+    "get_rules",
+    "initialize_distributed",
+    "logical_rules",
+    "logical_to_spec",
+    "make_mesh",
+    "named_sharding",
+    "parallel_sizes",
+    "shard_state",
+    "tensor_parallel_mesh",
+]

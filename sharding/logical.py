@@ -17,14 +17,16 @@ Rules = Mapping[str, MeshAxes]
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("rules", default=None)
 
 
-def logical_to_spec(names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None,
-                    mesh: Mesh | None = None) -> PartitionSpec:
+def logical_to_spec(
+    names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
     """PartitionSpec for logical `names` under `rules` (unmapped names are replicated). Given the
     array's shape and the mesh, mesh axes that would not divide a dimension are left out."""
     unknown = [n for n in names if n is not None and n not in LOGICAL_AXES]
     if unknown:
         raise ValueError(f"unknown logical axis name(s) {unknown}; known: {LOGICAL_AXES}")
-    spec, used = [], set()
+    spec: list[str | tuple[str, ...] | None] = []
+    used: set[str] = set()
     for i, name in enumerate(names):
         axes = rules.get(name) if name is not None else None
         flat = (axes,) if isinstance(axes, str) else tuple(axes or ())

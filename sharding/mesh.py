@@ -32,7 +32,8 @@ class MeshConfig:
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
             raise ValueError(f"MeshConfig {sizes} needs {math.prod(sizes)} devices, have {num_devices}")
-        return tuple(sizes)
+        data, fsdp, tensor = sizes
+        return data, fsdp, tensor
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: list[jax.Device] | None = None) -> Mesh:
@@ -44,8 +45,9 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices: list[jax.Device] | Non
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
     """jax.distributed from flags, else from JAXINFRA_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID."""
     coordinator = coordinator or os.environ.get("JAXINFRA_COORDINATOR")
     if coordinator is None:
@@ -62,3 +64,8 @@ def tensor_parallel_mesh(size: int, num_kv_heads: int) -> Mesh:
     if num_kv_heads % size:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) must be divisible by tensor_parallel_size ({size})")
     return make_mesh(MeshConfig(data=1, fsdp=1, tensor=size), jax.devices()[:size])
+
+
+def parallel_sizes(mesh: Mesh) -> tuple[int, int]:
+    """(data-parallel ranks, tensor-parallel ranks) of a (data, fsdp, tensor) mesh."""
+    return mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]

@@ -10,10 +10,21 @@ import transformers
 
 # family -> (config class, architecture class, config kwargs on top of the shared tiny shape).
 FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "llama3_rope_scaling": ("LlamaConfig", "LlamaForCausalLM", dict(
-        num_key_value_heads=2, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama3_rope_scaling": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     "llama2_mha_bias": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4, attention_bias=True)),
     "llama_tied_mqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),
@@ -21,8 +32,18 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32)),
 }
 
-BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+BASE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=144,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -55,4 +76,4 @@ def hf_logits(model: transformers.PreTrainedModel, ids: np.ndarray) -> np.ndarra
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

@@ -17,8 +17,15 @@ def model():
     return jaxinfra.load_model(PRESET)
 
 
-ENGINE_DEFAULTS = dict(model=PRESET, block_size=8, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                       num_gpu_blocks_override=64, compilation_cache_dir="")
+ENGINE_DEFAULTS = dict(
+    model=PRESET,
+    block_size=8,
+    max_model_len=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    num_gpu_blocks_override=64,
+    compilation_cache_dir="",
+)
 
 
 def engine(**kwargs) -> LLMEngine:
@@ -31,7 +38,9 @@ def prompts(lengths, seed=0, vocab=256):
 
 
 def reference(prompt_list, max_tokens):
-    return jaxinfra.generate(model(), prompt_list, jaxinfra.GenerationConfig(max_new_tokens=max_tokens, stop_at_eos=False))
+    return jaxinfra.generate(
+        model(), prompt_list, jaxinfra.GenerationConfig(max_new_tokens=max_tokens, stop_at_eos=False)
+    )
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

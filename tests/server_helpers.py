@@ -7,24 +7,31 @@ import time
 from collections.abc import Callable, Iterator
 
 import httpx
+from serve_helpers import ENGINE_DEFAULTS
 
 from serve import EngineArgs
 from serve.api_server import build_app, serve_in_thread
 from serve.async_engine import AsyncEngine
-from serve_helpers import ENGINE_DEFAULTS
 
 MODEL_NAME = "tiny"
 
 
 @contextlib.contextmanager
-def running_server(api_key: str | None = None, max_queue: int = 64, request_timeout: float | None = 120,
-                   warmup: bool = False, restart_on_failure: bool = False,
-                   **engine_kwargs) -> Iterator[tuple[str, object]]:
+def running_server(
+    api_key: str | None = None,
+    max_queue: int = 64,
+    request_timeout: float | None = 120,
+    warmup: bool = False,
+    restart_on_failure: bool = False,
+    **engine_kwargs,
+) -> Iterator[tuple[str, object]]:
     """Yields (base_url, app) with the engine core and uvicorn running; stops both afterwards."""
-    engine = AsyncEngine(EngineArgs(**{**ENGINE_DEFAULTS, **engine_kwargs}), warmup=warmup,
-                         restart_on_failure=restart_on_failure)
-    app = build_app(engine, model_name=MODEL_NAME, api_key=api_key, max_queue=max_queue,
-                    request_timeout=request_timeout)
+    engine = AsyncEngine(
+        EngineArgs(**{**ENGINE_DEFAULTS, **engine_kwargs}), warmup=warmup, restart_on_failure=restart_on_failure
+    )
+    app = build_app(
+        engine, model_name=MODEL_NAME, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout
+    )
     with serve_in_thread(app) as url:
         yield url, app
 

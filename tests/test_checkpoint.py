@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+from hf_oracle import hf_logits, make_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 import jaxinfra
-from hf_oracle import hf_logits, make_hf_model, save_hf_model
 from jaxinfra.cli import main as cli_main
 
 

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import transformers
-
 from hf_oracle import make_hf_model, save_hf_model
+
 from jaxinfra.tokenizer import Tokenizer
 
 
@@ -16,8 +16,23 @@ def _run(*args):
 def test_generate_on_hf_directory_prints_text(tmp_path):
     save_hf_model(make_hf_model("llama3_rope_scaling", vocab_size=Tokenizer.byte_level().vocab_size), tmp_path)
     Tokenizer.byte_level().save(tmp_path)
-    r = _run("generate", "--model", str(tmp_path), "--prompt", "Hello", "--prompt", "Bye", "--max-tokens", "6",
-             "--temperature", "0.8", "--top-p", "0.9", "--seed", "1")
+    r = _run(
+        "generate",
+        "--model",
+        str(tmp_path),
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "Bye",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1",
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("Hello") and any(line.startswith("Bye") for line in lines[1:])

@@ -9,8 +9,13 @@ import jaxinfra
 from jaxinfra.config import ModelConfig, RopeScaling, list_presets
 from jaxinfra.models import LlamaModel
 
-REAL_SHAPES = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248, "qwen2.5-0.5b": 494_032_768,
-               "qwen2.5-7b": 7_615_616_512, "mistral-7b": 7_241_732_096}
+REAL_SHAPES = {
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.1-8b": 8_030_261_248,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "mistral-7b": 7_241_732_096,
+}
 
 
 def test_presets_exist():
@@ -29,40 +34,74 @@ def test_param_count_matches_built_model(name):
 
 
 def test_from_hf_v4_style_rope_scaling():
-    cfg = ModelConfig.from_hf({
-        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "rope_theta": 5e5,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        "eos_token_id": [3, 4], "torch_dtype": "bfloat16"})
+    cfg = ModelConfig.from_hf(
+        {
+            "model_type": "llama",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "eos_token_id": [3, 4],
+            "torch_dtype": "bfloat16",
+        }
+    )
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling == RopeScaling(factor=32.0)
     assert cfg.eos_token_id == (3, 4) and cfg.dtype == "bfloat16" and cfg.head_dim == 4
 
 
 def test_from_hf_v5_style_and_export_round_trip():
     from transformers import Qwen3Config
-    hf = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
+
+    hf = Qwen3Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ).to_dict()
     cfg = ModelConfig.from_hf(hf)
     assert cfg.qk_norm and not cfg.qkv_bias and cfg.head_dim == 16
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"model_type": "gpt2"}, "unsupported model_type"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"model_type": "gpt2"}, "unsupported model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+    ],
+)
 def test_from_hf_rejects_unsupported(bad, match):
-    base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
+    base = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**base, **bad})
 
 
-@pytest.mark.parametrize("field,value", [("num_heads", 0), ("hidden_size", -1), ("num_kv_heads", 3),
-                                         ("dtype", "int8"), ("sliding_window", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("num_heads", 0), ("hidden_size", -1), ("num_kv_heads", 3), ("dtype", "int8"), ("sliding_window", 0)],
+)
 def test_invalid_values_name_the_field(field, value):
     cfg = ModelConfig.from_preset("tiny-llama")
     with pytest.raises(ValueError, match=field):

@@ -18,7 +18,24 @@ from jaxinfra.tokenizer import Tokenizer
 from jaxinfra.train import lm_loss
 
 rng = np.random.default_rng(0)
-WORDS = "the lord said unto moses and aaron go forth into the land which i give thee".split()
+WORDS = [
+    "the",
+    "lord",
+    "said",
+    "unto",
+    "moses",
+    "and",
+    "aaron",
+    "go",
+    "forth",
+    "into",
+    "the",
+    "land",
+    "which",
+    "i",
+    "give",
+    "thee",
+]
 DOCS = [" ".join(rng.choice(WORDS, size=int(n))) for n in rng.integers(2, 40, size=60)]
 
 
@@ -62,8 +79,11 @@ def test_packed_rows_hold_each_document_once_with_restarting_positions():
     """One pass over a split: the packed segments are exactly the documents' pieces, positions restart
     per segment, targets are each input's next token, and padding is masked."""
     tok = Tokenizer.byte_level()
-    expected = sorted(tuple(p["inputs"].tolist()) + tuple(p["targets"].tolist()[-1:])
-                      for d in DOCS[:20] for p in chunk_tokens(document_tokens(tok, d), 24))
+    expected = sorted(
+        tuple(p["inputs"].tolist()) + tuple(p["targets"].tolist()[-1:])
+        for d in DOCS[:20]
+        for p in chunk_tokens(document_tokens(tok, d), 24)
+    )
     got = []
     for batch in _loader(DOCS[:20]):
         for r in range(batch["input_ids"].shape[0]):
@@ -80,24 +100,35 @@ def test_packed_rows_hold_each_document_once_with_restarting_positions():
 
 
 def test_packing_never_attends_across_documents_and_masks_padding():
-    cfg = ModelConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, initializer_range=0.2)
+    cfg = ModelConfig(
+        vocab_size=260,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        initializer_range=0.2,
+    )
     model = LlamaModel(cfg, nnx.Rngs(1))
-    batch = next(iter(_loader([d[:int(n)] for d, n in zip(DOCS[:12], rng.integers(5, 30, 12))], seq_len=64, batch=2)))
+    batch = next(iter(_loader([d[: int(n)] for d, n in zip(DOCS[:12], rng.integers(5, 30, 12))], seq_len=64, batch=2)))
     assert (batch["segment_ids"].max(axis=1) >= 2).all() and (batch["segment_ids"] == 0).any()
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
     packed = np.asarray(model(jb["input_ids"], segment_ids=jb["segment_ids"], positions=jb["positions"]))
     loss_sum, count = lm_loss(model, jb)
     # every document alone, right-padded into one batch (causal: the padding after it changes nothing)
-    docs = [(r, np.flatnonzero(batch["segment_ids"][r] == s)) for r in range(2)
-            for s in sorted(set(batch["segment_ids"][r].tolist()) - {0})]
+    docs = [
+        (r, np.flatnonzero(batch["segment_ids"][r] == s))
+        for r in range(2)
+        for s in sorted(set(batch["segment_ids"][r].tolist()) - {0})
+    ]
     alone_ids = np.zeros((len(docs), 64), np.int32)
     for i, (r, idx) in enumerate(docs):
-        alone_ids[i, :len(idx)] = batch["input_ids"][r, idx]
+        alone_ids[i, : len(idx)] = batch["input_ids"][r, idx]
     alone = np.asarray(model(jnp.asarray(alone_ids)))
     separate_sum = 0.0
     for i, (r, idx) in enumerate(docs):
-        logits = alone[i, :len(idx)]
+        logits = alone[i, : len(idx)]
         np.testing.assert_allclose(packed[r, idx], logits, atol=1e-5)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         separate_sum -= logp[np.arange(len(idx)), batch["targets"][r, idx]].sum()

@@ -6,12 +6,12 @@ import json
 import httpx
 import numpy as np
 import pytest
+from server_helpers import MODEL_NAME, running_server
 
 import jaxinfra
 from jaxinfra.loading import DEFAULT_MODEL
 from serve import SamplingParams
 from serve.detokenizer import IncrementalDetokenizer
-from server_helpers import MODEL_NAME, running_server
 
 TEXT = "In the beginning — Héllo wörld, 你好 🎉! And God said, Let there be light: and there was light."
 
@@ -24,7 +24,7 @@ def kjv_tokenizer():
 def _incremental(tok, ids, params=SamplingParams(), chunks=1):
     d = IncrementalDetokenizer(tok, params)
     for i in range(0, len(ids), chunks):
-        if d.add(ids[i:i + chunks]) is not None:
+        if d.add(ids[i : i + chunks]) is not None:
             break
     return d
 
@@ -41,7 +41,7 @@ def test_incremental_text_equals_whole_decode(kjv_tokenizer, which):
         d = _incremental(tok, rand)
         whole = tok.decode(rand)
         assert whole.startswith(d.text) and "\ufffd" not in d.text[-1:]
-        assert whole.rstrip("\ufffd") == d.text.rstrip("\ufffd") or whole[len(d.text):].strip("\ufffd") == ""
+        assert whole.rstrip("\ufffd") == d.text.rstrip("\ufffd") or whole[len(d.text) :].strip("\ufffd") == ""
 
 
 def test_multibyte_characters_wait_until_complete():
@@ -67,11 +67,11 @@ def test_stop_strings_cut_and_hold_back(kjv_tokenizer):
             if d.add([t]) is not None:
                 cut_at = j
                 break
-            shown.append(d.text[:d.streamable(False)])
+            shown.append(d.text[: d.streamable(False)])
         end = TEXT.index(stop) + (len(stop) if include else 0)
         assert d.text == TEXT[:end] and d.stop_reason == stop and cut_at is not None
         assert all(d.text.startswith(s) for s in shown)  # nothing streamed was cut later
-        assert shown[-1] == TEXT[:TEXT.index(stop)] or include  # held back: exactly the stop's start
+        assert shown[-1] == TEXT[: TEXT.index(stop)] or include  # held back: exactly the stop's start
 
 
 def test_stop_strings_wait_for_min_tokens(kjv_tokenizer):
@@ -100,7 +100,7 @@ def test_stream_equals_non_stream_for_stop_strings_spanning_tokens():
         text, offsets = full["text"], full["logprobs"]["text_offset"]
         stops = []
         for b in offsets[3:]:  # a stop string straddling each token boundary, first seen there
-            s = text[b - 2:b + 3]
+            s = text[b - 2 : b + 3]
             if len(s) == 5 and text.index(s) == b - 2 and s not in stops:
                 stops.append(s)
         assert len(stops) >= 5

@@ -3,12 +3,12 @@ option compiles anything after warm-up, and the prefix cache never shares KV bet
 
 import numpy as np
 import pytest
+from serve_helpers import GREEDY, engine, prompts, reference, run
 
 import serve.kv_cache
 from serve import LLM, SamplingParams
 from serve.kv_cache import BlockManager
 from serve.sequence import Sequence
-from serve_helpers import GREEDY, engine, prompts, reference, run
 
 LENGTHS = (5, 40, 17, 3, 60, 9)
 
@@ -19,19 +19,26 @@ def expected():
     return ps, reference(ps, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(async_scheduling=False),
-    dict(async_scheduling=True),
-    dict(num_scheduler_steps=4),
-    dict(num_scheduler_steps=8, max_num_batched_tokens=16, max_num_seqs=4),  # chunked prefill + loops
-    dict(num_scheduler_steps=4, num_gpu_blocks_override=12, max_model_len=96),  # preemption + loops
-], ids=["sync", "async", "loop4", "loop8-chunked", "loop4-preempt"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(async_scheduling=False),
+        dict(async_scheduling=True),
+        dict(num_scheduler_steps=4),
+        dict(num_scheduler_steps=8, max_num_batched_tokens=16, max_num_seqs=4),  # chunked prefill + loops
+        dict(num_scheduler_steps=4, num_gpu_blocks_override=12, max_model_len=96),  # preemption + loops
+    ],
+    ids=["sync", "async", "loop4", "loop8-chunked", "loop4-preempt"],
+)
 def test_greedy_outputs_identical_under_async_and_decode_loops(expected, kwargs):
     ps, ref = expected
     eng = engine(**kwargs)
     preempt = "max_model_len" in kwargs  # all at once into a pool too small for them
-    arrivals = ({0: [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]} if preempt
-                else {2 * i: [(f"r{i}", p, GREEDY)] for i, p in enumerate(ps)})
+    arrivals = (
+        {0: [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]}
+        if preempt
+        else {2 * i: [(f"r{i}", p, GREEDY)] for i, p in enumerate(ps)}
+    )
     done = run(eng, arrivals)
     assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(ps))] == ref
     if preempt:
@@ -42,16 +49,31 @@ def test_decode_loop_stops_where_single_steps_stop(expected):
     """Stop ids, EOS after min_tokens, max_tokens and logprobs inside a decode loop match single steps."""
     ps, ref = expected
     stop_at = [r[5] for r in ref]
-    items = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=4 + i, stop_token_ids=[stop_at[i]] if i % 2 else [],
-                                         min_tokens=i % 3, logprobs=2, ignore_eos=i % 2 == 0))
-             for i, p in enumerate(ps)]
+    items = [
+        (
+            f"r{i}",
+            p,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=4 + i,
+                stop_token_ids=[stop_at[i]] if i % 2 else [],
+                min_tokens=i % 3,
+                logprobs=2,
+                ignore_eos=i % 2 == 0,
+            ),
+        )
+        for i, p in enumerate(ps)
+    ]
     outs = {}
     for steps in (1, 8):
         done = run(engine(num_scheduler_steps=steps), {0: items})
         outs[steps] = [done[f"r{i}"].outputs[0] for i in range(len(ps))]
     for one, loop in zip(outs[1], outs[8]):
-        assert (one.token_ids, one.finish_reason, one.stop_reason) == (loop.token_ids, loop.finish_reason,
-                                                                      loop.stop_reason)
+        assert (one.token_ids, one.finish_reason, one.stop_reason) == (
+            loop.token_ids,
+            loop.finish_reason,
+            loop.stop_reason,
+        )
         for a, b in zip(one.logprobs, loop.logprobs, strict=True):  # other shapes: other rounding
             assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-5)
     assert {o.finish_reason for o in outs[8]} == {"stop", "length"}
@@ -68,16 +90,23 @@ def test_mixed_workload_compiles_nothing_after_warmup():
     for i in range(200):
         p = prompts([int(rng.integers(1, 48))], seed=1000 + i)[0]
         params = SamplingParams(
-            n=int(rng.choice([1, 1, 2, 3])), temperature=float(rng.choice([0.0, 0.7, 1.3])),
-            top_k=int(rng.choice([0, 1, 5, 100, 600])), top_p=float(rng.choice([1.0, 0.9])),
-            min_p=float(rng.choice([0.0, 0.05])), seed=int(rng.integers(0, 2**40)) if rng.random() < 0.5 else None,
+            n=int(rng.choice([1, 1, 2, 3])),
+            temperature=float(rng.choice([0.0, 0.7, 1.3])),
+            top_k=int(rng.choice([0, 1, 5, 100, 600])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            min_p=float(rng.choice([0.0, 0.05])),
+            seed=int(rng.integers(0, 2**40)) if rng.random() < 0.5 else None,
             logprobs=int(rng.integers(0, 21)) if rng.random() < 0.4 else None,
             prompt_logprobs=int(rng.integers(0, 21)) if rng.random() < 0.15 else None,
-            presence_penalty=float(rng.choice([0.0, 0.5])), frequency_penalty=float(rng.choice([0.0, 0.3])),
-            repetition_penalty=float(rng.choice([1.0, 1.2])), min_tokens=int(rng.integers(0, 4)),
+            presence_penalty=float(rng.choice([0.0, 0.5])),
+            frequency_penalty=float(rng.choice([0.0, 0.3])),
+            repetition_penalty=float(rng.choice([1.0, 1.2])),
+            min_tokens=int(rng.integers(0, 4)),
             stop_token_ids=rng.integers(0, 512, int(rng.integers(0, 4))).tolist(),
-            stop=["ab"] if rng.random() < 0.1 else None, ignore_eos=bool(rng.random() < 0.5),
-            max_tokens=int(rng.integers(4, 20)))
+            stop=["ab"] if rng.random() < 0.1 else None,
+            ignore_eos=bool(rng.random() < 0.5),
+            max_tokens=int(rng.integers(4, 20)),
+        )
         arrivals.setdefault(int(rng.integers(0, 120)), []).append((f"m{i}", p, params))
     done = run(eng, arrivals)
     assert len(done) == 200
@@ -85,8 +114,15 @@ def test_mixed_workload_compiles_nothing_after_warmup():
 
 
 def test_llm_generate_leaves_nothing_queued_after_a_rejected_prompt():
-    llm = LLM("tiny-qwen3", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=2**21,
-              block_size=8, compilation_cache_dir="")
+    llm = LLM(
+        "tiny-qwen3",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        kv_cache_memory=2**21,
+        block_size=8,
+        compilation_cache_dir="",
+    )
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
@@ -118,9 +154,11 @@ def test_colliding_keys_never_share_blocks(monkeypatch):
     monkeypatch.setattr(serve.kv_cache, "block_hash", lambda parent, tokens, salt: b"same")
     bm = BlockManager(32, 4)
     a = _computed(bm, _seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    for tokens, salt, hit in [([9, 9, 9, 9, 5, 6, 7, 8, 1], None, 0),  # another first block
-                              ([1, 2, 3, 4, 1, 2, 3, 4, 1], None, 1),  # block 2 holds block 1's tokens
-                              ([1, 2, 3, 4, 5, 6, 7, 8, 1], "b", 0)]:  # another tenant
+    for tokens, salt, hit in [
+        ([9, 9, 9, 9, 5, 6, 7, 8, 1], None, 0),  # another first block
+        ([1, 2, 3, 4, 1, 2, 3, 4, 1], None, 1),  # block 2 holds block 1's tokens
+        ([1, 2, 3, 4, 5, 6, 7, 8, 1], "b", 0),
+    ]:  # another tenant
         other = _seq(tokens, salt)
         assert bm.allocate_prefix(other) == 4 * hit, (tokens, salt)
         assert other.block_ids == a.block_ids[:hit]
@@ -136,7 +174,7 @@ def test_a_hit_needs_the_same_parent(monkeypatch):
     monkeypatch.setattr(serve.kv_cache, "block_hash", lambda parent, tokens, salt: bytes(tokens))
     bm = BlockManager(32, 2)
     a = _computed(bm, _seq([1, 2, 3, 4, 9]))
-    y = _computed(bm, _seq([5, 6, 3, 4, 9]))       # its [3, 4] block is not keyed: the key is taken
+    y = _computed(bm, _seq([5, 6, 3, 4, 9]))  # its [3, 4] block is not keyed: the key is taken
     z = _seq([5, 6, 3, 4, 8])
     assert bm.allocate_prefix(z) == 2 and z.block_ids == y.block_ids[:1]  # [5, 6] only, never a's [3, 4]
     bm.check_invariants([a, y, z])
@@ -151,8 +189,7 @@ def test_compiled_steps_never_copy_a_kv_pool():
     shapes = [runner.shapes()[0], runner.shapes()[-1], (8, 8, runner.width_buckets[-1], 1)]
     batches = [runner.dummy(*shape) for shape in shapes] + [runner.dummy(8, 8, runner.width_buckets[-1], 1, 4)]
     for batch in batches:
-        copies = [line for line in runner.compiled_text(batch).splitlines()
-                  if f"[{pool}]" in line and " copy(" in line]
+        copies = [line for line in runner.compiled_text(batch).splitlines() if f"[{pool}]" in line and " copy(" in line]
         assert not copies, (batch.inputs["input_ids"].shape, copies[:2])
 
 
@@ -180,11 +217,39 @@ def test_restart_reuses_the_persistent_compilation_cache(tmp_path):
 
     runs = []
     for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", _CACHE_RUN, str(tmp_path / "cache")], capture_output=True,
-                           text=True, timeout=600, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+        r = subprocess.run(
+            [sys.executable, "-c", _CACHE_RUN, str(tmp_path / "cache")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         runs.append([float(x) for x in r.stdout.split()[-4:]])
     (shapes, hits1, misses1, _), (shapes2, hits2, misses2, _) = runs
     assert shapes == shapes2 > 0 and misses1 >= shapes and hits1 == 0
     assert misses2 == 0 and hits2 >= shapes
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_int8_kv_cache_through_the_engine():
+    """kv_cache_dtype=int8 end to end (chunked prefill, decode loop, preemption-free pool): prompt and
+    sampled-token logprobs stay within int8 quantisation error of the float cache's, and the same
+    greedy tokens come out for a short horizon."""
+    ps = prompts([30, 9, 17], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    outs = {}
+    for kv in ("auto", "int8"):
+        done = run(
+            engine(kv_cache_dtype=kv, num_scheduler_steps=4, max_num_batched_tokens=16),
+            {0: [(f"r{i}", p, params) for i, p in enumerate(ps)]},
+        )
+        outs[kv] = [done[f"r{i}"] for i in range(len(ps))]
+    for f, q in zip(outs["auto"], outs["int8"], strict=True):
+        assert q.outputs[0].token_ids[:3] == f.outputs[0].token_ids[:3]
+        for a, b in zip(f.prompt_logprobs[1:], q.prompt_logprobs[1:], strict=True):
+            (ta, la), (tb, lb) = next(iter(a.items())), next(iter(b.items()))
+            assert ta == tb and abs(la - lb) < 5e-2
+        lp_f = [d[t] for d, t in zip(f.outputs[0].logprobs, f.outputs[0].token_ids)]
+        lp_q = [d[t] for d, t in zip(q.outputs[0].logprobs, q.outputs[0].token_ids)]
+        assert np.allclose(lp_f[:3], lp_q[:3], atol=5e-2)

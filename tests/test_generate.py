@@ -29,15 +29,16 @@ def test_cached_greedy_equals_full_recompute(model):
             padded = np.zeros((1, 24), np.int32)  # causal: the zero tail cannot affect position len-1
             padded[0, : len(seq)] = seq
             seq.append(int(jnp.argmax(forward(state, jnp.asarray(padded))[0, len(seq) - 1])))
-        assert tokens == seq[len(prompt):]
+        assert tokens == seq[len(prompt) :]
 
 
 def test_sampling_is_reproducible_per_seed(model):
     cfg = jaxinfra.GenerationConfig(max_new_tokens=16, temperature=1.0, seed=7, stop_at_eos=False)
     a = jaxinfra.generate(model, PROMPTS, cfg)
     assert a == jaxinfra.generate(model, PROMPTS, cfg)
-    b = jaxinfra.generate(model, PROMPTS, jaxinfra.GenerationConfig(
-        max_new_tokens=16, temperature=1.0, seed=8, stop_at_eos=False))
+    b = jaxinfra.generate(
+        model, PROMPTS, jaxinfra.GenerationConfig(max_new_tokens=16, temperature=1.0, seed=8, stop_at_eos=False)
+    )
     assert a != b
 
 
@@ -71,8 +72,9 @@ def test_sampling_follows_the_distribution():
     np.testing.assert_allclose(freq, probs, atol=0.015)
 
 
-@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_k", -2),
-                                         ("top_p", 0.0), ("top_p", 1.5)])
+@pytest.mark.parametrize(
+    "field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5)]
+)
 def test_bad_generation_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         jaxinfra.GenerationConfig(**{field: value})
@@ -89,5 +91,7 @@ def test_bad_prompts(model):
 
 def test_generate_text_decodes(model):
     tok = jaxinfra.load_tokenizer("tiny-qwen3")
-    texts = jaxinfra.generate_text(model, tok, ["Hello", "A longer prompt"], jaxinfra.GenerationConfig(max_new_tokens=4))
+    texts = jaxinfra.generate_text(
+        model, tok, ["Hello", "A longer prompt"], jaxinfra.GenerationConfig(max_new_tokens=4)
+    )
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)

@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_oracle import FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 import jaxinfra
-from hf_oracle import FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 LOGIT_TOL = 1e-4  # float32 max abs; we measure ~6e-6 on these checkpoints.
 
@@ -37,11 +37,14 @@ def test_greedy_continuations_match_transformers(family_checkpoint):
         assert tokens == hf_greedy(hf_model, prompt, 32)
 
 
-@pytest.mark.parametrize("family,field,value", [
-    ("mistral_window", "sliding_window", None),
-    ("llama3_rope_scaling", "rope_scaling", None),
-    ("qwen3_qk_norm", "qk_norm", False),
-])
+@pytest.mark.parametrize(
+    "family,field,value",
+    [
+        ("mistral_window", "sliding_window", None),
+        ("llama3_rope_scaling", "rope_scaling", None),
+        ("qwen3_qk_norm", "qk_norm", False),
+    ],
+)
 def test_family_features_change_logits(tmp_path, family, field, value):
     """The parity above is not vacuous: dropping the feature moves the logits far past tolerance."""
     path = save_hf_model(make_hf_model(family), tmp_path)

@@ -24,8 +24,9 @@ def _step(model, caches, tokens_per_seq, starts, tables):
     kv_lens = [s + len(t) for s, t in zip(starts, tokens_per_seq)]
     width = max(len(t) for t in tables)
     bt = np.array([list(t) + [0] * (width - len(t)) for t in tables], np.int32)
-    meta = PagedMetadata(jnp.asarray(slots, jnp.int32), jnp.asarray(bt), jnp.asarray(cu, jnp.int32),
-                         jnp.asarray(kv_lens, jnp.int32))
+    meta = PagedMetadata(
+        jnp.asarray(slots, jnp.int32), jnp.asarray(bt), jnp.asarray(cu, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
+    )
     logits, caches = model.forward(jnp.asarray([ids], jnp.int32), jnp.asarray([pos], jnp.int32), meta, caches)
     return np.asarray(logits[0]), caches
 
@@ -34,8 +35,9 @@ def _step(model, caches, tokens_per_seq, starts, tables):
 def test_chunked_prefill_and_decode_equal_dense(impl, kv_dtype):
     model = jaxinfra.load_model("tiny-qwen3", attn_impl=impl)
     cfg = model.cfg
-    caches = [PagedKVCache.zeros(16, BS, cfg.num_kv_heads, cfg.head_dim, kv_dtype or cfg.dtype)
-              for _ in range(cfg.num_layers)]
+    caches = [
+        PagedKVCache.zeros(16, BS, cfg.num_kv_heads, cfg.head_dim, kv_dtype or cfg.dtype) for _ in range(cfg.num_layers)
+    ]
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 512, 11).tolist(), rng.integers(0, 512, 6).tolist()
     tables = [[9, 2, 14], [5, 0]]  # shuffled, non-contiguous blocks

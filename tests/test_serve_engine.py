@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from serve_helpers import GREEDY, engine, prompts, reference, run
 
 from serve import SamplingParams
-from serve_helpers import GREEDY, engine, prompts, reference, run
 
 LENGTHS = (5, 40, 17, 3, 60, 9)
 
@@ -16,7 +16,7 @@ def expected():
 
 
 def _check(done, expected, n=1):
-    ps, ref = expected
+    _, ref = expected
     for i, r in enumerate(ref):
         out = done[f"r{i}"]
         assert len(out.outputs) == n
@@ -72,8 +72,10 @@ def test_no_recompilation_after_warmup():
     eng = engine(max_num_batched_tokens=32, max_num_seqs=8)
     eng.core.runner.warmup()
     compiled = eng.core.runner.num_compilations
-    mixed = {i: [(f"r{i}", p, SamplingParams(temperature=0.8 * (i % 2), max_tokens=5 + 3 * i, ignore_eos=True))]
-             for i, p in enumerate(prompts([3, 30, 1, 12, 25, 7, 2, 19, 4, 8]))}
+    mixed = {
+        i: [(f"r{i}", p, SamplingParams(temperature=0.8 * (i % 2), max_tokens=5 + 3 * i, ignore_eos=True))]
+        for i, p in enumerate(prompts([3, 30, 1, 12, 25, 7, 2, 19, 4, 8]))
+    }
     run(eng, mixed)
     assert eng.core.runner.num_compilations == compiled
 
@@ -85,8 +87,12 @@ def test_randomized_workload_keeps_invariants():
     arrivals = {}
     for i in range(24):
         p = (shared if rng.random() < 0.5 else []) + prompts([int(rng.integers(1, 40))], seed=100 + i)[0]
-        params = SamplingParams(n=int(rng.integers(1, 3)), temperature=float(rng.choice([0.0, 1.0])),
-                                max_tokens=int(rng.integers(1, 30)), seed=i)
+        params = SamplingParams(
+            n=int(rng.integers(1, 3)),
+            temperature=float(rng.choice([0.0, 1.0])),
+            max_tokens=int(rng.integers(1, 30)),
+            seed=i,
+        )
         arrivals.setdefault(int(rng.integers(0, 30)), []).append((f"r{i}", p, params))
     done, step = {}, 0
     while eng.has_unfinished_requests() or step <= 30:
@@ -104,22 +110,33 @@ def test_randomized_workload_keeps_invariants():
 
 
 def test_prompt_logprobs_match_transformers(tmp_path):
-    import jaxinfra
     from hf_oracle import make_hf_model, save_hf_model
+
+    import jaxinfra
     from serve import EngineArgs, LLMEngine
 
     hf = make_hf_model("llama3_rope_scaling")
     path = save_hf_model(hf, tmp_path)
     model = jaxinfra.load_model(path)
-    eng = LLMEngine(model, None, EngineArgs(model=str(path), block_size=8, max_model_len=128,
-                                            max_num_batched_tokens=16, max_num_seqs=4,
-                                            num_gpu_blocks_override=32))
+    eng = LLMEngine(
+        model,
+        None,
+        EngineArgs(
+            model=str(path),
+            block_size=8,
+            max_model_len=128,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+            num_gpu_blocks_override=32,
+        ),
+    )
     prompt = prompts([37], seed=9, vocab=300)[0]
     eng.add_request("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=3, logprobs=2, temperature=0))
     out = None
     while eng.has_unfinished_requests():
         out = (eng.step() or [out])[0]
     import torch
+
     with torch.no_grad():
         want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)

@@ -8,7 +8,6 @@ import signal
 
 import httpx
 import pytest
-
 from server_helpers import MODEL_NAME, eventually, running_server
 
 VOCAB = 512  # tiny-qwen3
@@ -37,8 +36,15 @@ GOOD = [{"seed": 2**31}, {"seed": 2**63 - 1}, {"seed": -5}, {"top_k": 10**6}]
 
 async def _stream_tokens(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[int, bool]:
     """A streamed completion: (completion tokens from its usage chunk, whether it ended with [DONE])."""
-    body = {"model": MODEL_NAME, "prompt": "keep going", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "keep going",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tokens, done = 0, False
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -53,8 +59,11 @@ async def _stream_tokens(client: httpx.AsyncClient, url: str, max_tokens: int) -
 
 
 def test_bad_integers_are_400s_while_other_streams_finish():
-    with running_server(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64,
-                        num_gpu_blocks_override=512) as (url, _):
+    with running_server(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=512) as (
+        url,
+        _,
+    ):
+
         async def main():
             async with httpx.AsyncClient(timeout=120) as c:
                 streams = [asyncio.create_task(_stream_tokens(c, url, 600)) for _ in range(3)]
@@ -63,8 +72,9 @@ def test_bad_integers_are_400s_while_other_streams_finish():
                 for fields, _ in BAD + [(g, None) for g in GOOD]:
                     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, **fields}
                     raw = json.dumps(body).encode()  # json.dumps keeps the lone surrogate as \\ud800
-                    results.append(await c.post(f"{url}/v1/completions", content=raw,
-                                                headers={"content-type": "application/json"}))
+                    results.append(
+                        await c.post(f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+                    )
                     assert (await c.get(f"{url}/health")).status_code == 200
                 return results, await asyncio.gather(*streams)
 
@@ -75,17 +85,25 @@ def test_bad_integers_are_400s_while_other_streams_finish():
             assert err["message"] and err["type"] == "invalid_request_error", fields
             if param is not None:
                 assert err["param"] == param, (fields, err)
-        assert [r.status_code for r in results[len(BAD):]] == [200] * len(GOOD)
+        assert [r.status_code for r in results[len(BAD) :]] == [200] * len(GOOD)
         assert streams == [(600, True)] * 3
         assert httpx.get(f"{url}/health").status_code == 200
 
 
 def test_killed_core_gives_503_and_error_events():
-    with running_server(max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=64,
-                        num_gpu_blocks_override=600) as (url, app):
+    with running_server(max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=600) as (
+        url,
+        app,
+    ):
         engine = app.state.server.engine
-        body = {"model": MODEL_NAME, "prompt": "a long one", "max_tokens": 2000, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "a long one",
+            "max_tokens": 2000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
@@ -104,8 +122,10 @@ def test_killed_core_gives_503_and_error_events():
 
 @pytest.mark.slow
 def test_supervisor_restarts_a_dead_core():
-    with running_server(restart_on_failure=True, max_model_len=256, max_num_seqs=4,
-                        max_num_batched_tokens=64) as (url, app):
+    with running_server(restart_on_failure=True, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64) as (
+        url,
+        app,
+    ):
         engine = app.state.server.engine
         body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200

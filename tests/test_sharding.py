@@ -17,13 +17,17 @@ PRESETS = ["dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp"]
 def report():
     """Two subprocesses (one per core), half of the presets each, merged."""
     groups = [PRESETS[:3], PRESETS[3:]]
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), ",".join(g)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for g in groups]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), ",".join(g)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for g in groups
+    ]
     merged = None
     for p in procs:
         out, err = p.communicate(timeout=900)
         assert p.returncode == 0, err[-3000:]
-        part = json.loads(next(x for x in out.splitlines() if x.startswith("REPORT"))[len("REPORT"):])
+        part = json.loads(next(x for x in out.splitlines() if x.startswith("REPORT"))[len("REPORT") :])
         if merged is None:
             merged = part
         else:
@@ -59,7 +63,9 @@ def test_memory_per_device(report):
 @pytest.mark.slow
 def test_plan_report_matches_arrays_and_zero_accounting(report):
     for row in report["plan"]:
-        actual = next(r["memory"] for r in report["runs"] if r["preset"] == row["preset"] and tuple(r["mesh"]) == (8, 1, 1))
+        actual = next(
+            r["memory"] for r in report["runs"] if r["preset"] == row["preset"] and tuple(r["mesh"]) == (8, 1, 1)
+        )
         assert row["params"] == actual["params"] and row["optimizer"] == actual["opt"], row["preset"]
         for part in ("params", "grads", "optimizer"):
             # analytic ignores that tiny vectors (norms) and the Adam step counter stay replicated

@@ -10,14 +10,19 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 import jaxinfra
 from jaxinfra.tokenizer import Tokenizer
 
-CORPUS = ["In the beginning was the word, and the word was with code.",
-          "Tokenizers split text into pieces; pieces become ids.", "héllo wörld — ünïcode ✓"] * 20
+CORPUS = [
+    "In the beginning was the word, and the word was with code.",
+    "Tokenizers split text into pieces; pieces become ids.",
+    "héllo wörld — ünïcode ✓",
+] * 20
 
-CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-          "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-          "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 LLAMA3_LIKE = """{{- bos_token }}
 {%- if messages[0]['role'] == 'system' %}
     {%- set system_message = messages[0]['content']|trim %}
@@ -36,10 +41,15 @@ LLAMA3_LIKE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
-GENERATION_TAGS = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
-                   "A: {{ m.content }}{% endgeneration %}{% else %}U: {{ m.content }}{% endif %}\n{% endfor %}")
-MESSAGES = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": " Hello! "},
-            {"role": "user", "content": "What is 2+2?"}]
+GENERATION_TAGS = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+    "A: {{ m.content }}{% endgeneration %}{% else %}U: {{ m.content }}{% endif %}\n{% endfor %}"
+)
+MESSAGES = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": " Hello! "},
+    {"role": "user", "content": "What is 2+2?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +59,18 @@ def hf_tokenizer_dir(tmp_path_factory):
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     specials = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
-    core.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    core.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                        special_tokens=[("<|begin_of_text|>", 0)])
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin_of_text|>",
-                                              eos_token="<|eot_id|>")
+    core.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    core.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
     hf.chat_template = LLAMA3_LIKE
     path = tmp_path_factory.mktemp("tok")
     hf.save_pretrained(path)
@@ -126,8 +142,9 @@ def test_byte_level_tokenizer_round_trips_and_saves(tmp_path):
     tok.save(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert hf(text).input_ids == ids
-    assert hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == \
-        tok.apply_chat_template(MESSAGES)
+    assert hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == tok.apply_chat_template(
+        MESSAGES
+    )
 
 
 def test_bad_messages_and_missing_template(tmp_path):

@@ -42,8 +42,12 @@ def test_resume_after_kill_is_bit_exact(reference_run, tmp_path):
     cfg = dict(ref_cfg, out_dir=str(tmp_path / "killed"))
     config = write_config(tmp_path / "run.yaml", cfg)
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfra", "train", "--config", str(config), "--no-progress"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfra", "train", "--config", str(config), "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         done = _losses(out) if (out / "metrics.jsonl").is_file() else {}
@@ -68,8 +72,8 @@ def _tensorboard_scalars(tb_dir):
         data = f.read_bytes()
         i = 0
         while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
             i += 12 + n + 4
             for v in event.summary.value:
                 scalars[(v.tag, event.step)] = v.simple_value
@@ -77,7 +81,7 @@ def _tensorboard_scalars(tb_dir):
 
 
 def test_logs_checkpoints_and_exports(reference_run):
-    tmp, cfg, result = reference_run
+    tmp, _, result = reference_run
     out = tmp / "run"
     records = read_metrics(out / "metrics.jsonl")
     train_records = [r for r in records if r["split"] == "train"]
@@ -152,6 +156,7 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="vocab_size"):
         bad = tiny_run_config(tmp_path, tokenizer=None, model="tiny-llama")
         bad["model"] = str(tmp_path / "small.yaml")
-        (tmp_path / "small.yaml").write_text("vocab_size: 100\nhidden_size: 32\nintermediate_size: 64\n"
-                                             "num_layers: 1\nnum_heads: 2\nnum_kv_heads: 2\n")
+        (tmp_path / "small.yaml").write_text(
+            "vocab_size: 100\nhidden_size: 32\nintermediate_size: 64\nnum_layers: 1\nnum_heads: 2\nnum_kv_heads: 2\n"
+        )
         _run(bad)

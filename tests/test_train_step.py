@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxinfra
-from jaxinfra.train import TrainConfig, Trainer
+from jaxinfra.train import OptimConfig, TrainConfig, Trainer
 from sharding import MeshConfig, get_rules, make_mesh
 
 
@@ -14,9 +14,13 @@ def _batch():
     return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((4, 24), np.int32))
 
 
-def _loss_grads(**cfg):
-    trainer = Trainer(jaxinfra.load_model("tiny-qwen3"), make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]),
-                      get_rules("dp"), TrainConfig(**{"compute_dtype": "float32", **cfg}))
+def _loss_grads(optim: OptimConfig = OptimConfig(), **cfg):
+    trainer = Trainer(
+        jaxinfra.load_model("tiny-qwen3"),
+        make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]),
+        get_rules("dp"),
+        TrainConfig(optim, **{"compute_dtype": "float32", **cfg}),
+    )
     state = trainer.init_state()
     loss, grads = trainer.gradients(state, trainer.shard_batch(_batch()))
     return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)], trainer, state
@@ -32,7 +36,9 @@ def test_remat_and_microbatches_do_not_change_the_maths():
 
 
 def test_bf16_compute_keeps_fp32_masters_and_learns():
-    _, _, trainer, state = _loss_grads(compute_dtype="bfloat16", learning_rate=3e-3, warmup_steps=1, total_steps=30)
+    _, _, trainer, state = _loss_grads(
+        OptimConfig(learning_rate=3e-3, warmup_steps=1, total_steps=30), compute_dtype="bfloat16"
+    )
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(state.params))
     batch = trainer.shard_batch(_batch())
     losses = []

@@ -26,11 +26,22 @@ def write_corpus(path: Path, num_docs: int = 120, seed: int = 0) -> Path:
 def tiny_run_config(tmp: Path, out: str = "run", **overrides) -> dict:
     """A dict for RunConfig: tiny-llama, byte-level tokens, 32-token rows."""
     cfg = {
-        "model": "tiny-llama", "out_dir": str(tmp / out), "steps": 12, "batch_size": 4,
-        "data": {"paths": [str(write_corpus(tmp / "corpus.txt"))], "valid_fraction": 0.1, "seq_len": 32,
-                 "packing_bins": 4},
-        "optim": {"learning_rate": 3e-3, "warmup_steps": 3, "compute_dtype": "float32"},
-        "checkpoint": {"every": 3, "keep": 2}, "eval_every": 5, "eval_batches": 2, "log_every": 1,
+        "model": "tiny-llama",
+        "out_dir": str(tmp / out),
+        "steps": 12,
+        "batch_size": 4,
+        "data": {
+            "paths": [str(write_corpus(tmp / "corpus.txt"))],
+            "valid_fraction": 0.1,
+            "seq_len": 32,
+            "packing_bins": 4,
+        },
+        "optim": {"learning_rate": 3e-3, "warmup_steps": 3},
+        "compute_dtype": "float32",
+        "checkpoint": {"every": 3, "keep": 2},
+        "eval_every": 5,
+        "eval_batches": 2,
+        "log_every": 1,
     }
     for key, value in overrides.items():
         node = cfg

@@ -19,8 +19,13 @@ from tqdm.auto import tqdm
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 # HF tensors that carry no weights of their own (buffers older exports saved).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -42,14 +47,14 @@ class TensorMap:
             return shape
         if self.kind == "flat":
             return (math.prod(shape),)
-        return (math.prod(shape[self.n_in:]), math.prod(shape[:self.n_in]))
+        return (math.prod(shape[self.n_in :]), math.prod(shape[: self.n_in]))
 
     def to_ours(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         return w.T.reshape(shape) if self.kind == "linear" else w.reshape(shape)
 
     def to_hf(self, w: np.ndarray) -> np.ndarray:
         if self.kind == "linear":
-            return np.ascontiguousarray(w.reshape(math.prod(w.shape[:self.n_in]), -1).T)
+            return np.ascontiguousarray(w.reshape(math.prod(w.shape[: self.n_in]), -1).T)
         return w.reshape(self.hf_shape(w.shape))
 
 
@@ -102,7 +107,7 @@ class _TensorReader:
 
     def __init__(self, directory: Path) -> None:
         self.handles = [safe_open(str(p), framework="numpy") for p in _safetensors_files(directory)]
-        self.where = {name: h for h in self.handles for name in h.keys()}
+        self.where = {name: h for h in self.handles for name in h.keys()}  # noqa: SIM118 - safetensors handles are not dicts
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.where[name].get_slice(name).get_shape())
@@ -129,8 +134,13 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
     reader = _TensorReader(directory)
     flat = nnx.to_flat_state(state)
     expected = {tensor_map(path).hf_name for path, _ in flat}
-    unexpected = sorted(n for n in reader.where if n not in expected and not n.endswith(IGNORED_SUFFIXES)
-                        and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    unexpected = sorted(
+        n
+        for n in reader.where
+        if n not in expected
+        and not n.endswith(IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
     if unexpected:
         raise ValueError(f"{directory}: unexpected tensor(s) for {cfg.model_type}: {unexpected[:8]}")
     loaded = []
@@ -155,7 +165,11 @@ def _hf_tensors(model: LlamaModel, dtype: str | None) -> Iterator[tuple[str, np.
 
 
 def export_hf(
-    model: LlamaModel, out_dir: str | Path, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+    model: LlamaModel,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Write config.json and model*.safetensors (sharded with an index past `max_shard_bytes`)."""

@@ -17,9 +17,9 @@ import orbax.checkpoint as ocp
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100          # save every N steps (and at the end)
-    keep: int = 3             # keep the last K
-    async_save: bool = True   # write in a background thread while training goes on
+    every: int = 100  # save every N steps (and at the end)
+    keep: int = 3  # keep the last K
+    async_save: bool = True  # write in a background thread while training goes on
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.keep < 1:
@@ -38,10 +38,13 @@ class _FrozenDataState:
 
 def _manager(directory: Path, cfg: CheckpointConfig, read_only: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=not read_only,
-        read_only=read_only)
-    handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-                "data": grain.checkpoint.CheckpointHandler()}
+        max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=not read_only, read_only=read_only
+    )
+    handlers = {
+        "params": ocp.StandardCheckpointHandler(),
+        "opt_state": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+    }
     return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
 
 
@@ -59,15 +62,26 @@ class TrainCheckpointer:
 
     def save(self, step: int, params: Any, opt_state: Any, data: Any) -> None:
         """Start writing step `step` (returns while the arrays are written in the background)."""
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            data=grain.checkpoint.CheckpointSave(_FrozenDataState(data.get_state()))), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                data=grain.checkpoint.CheckpointSave(_FrozenDataState(data.get_state())),
+            ),
+            force=True,
+        )
 
     def restore(self, step: int, abstract_params: Any, abstract_opt_state: Any, data: Any) -> tuple[Any, Any]:
         """Params and optimizer state laid out as the abstract targets' shardings; `data` is set in place."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params), opt_state=ocp.args.StandardRestore(abstract_opt_state),
-            data=grain.checkpoint.CheckpointRestore(data)))
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_params),
+                opt_state=ocp.args.StandardRestore(abstract_opt_state),
+                data=grain.checkpoint.CheckpointRestore(data),
+            ),
+        )
         return restored["params"], restored["opt_state"]
 
     def wait(self) -> None:

@@ -26,17 +26,17 @@ from jaxinfra.tokenizer import Tokenizer
 @dataclasses.dataclass
 class DataConfig:
     paths: list[str] = dataclasses.field(default_factory=list)
-    format: str = "auto"              # auto (by suffix) | text | jsonl | parquet
-    text_field: str = "text"          # JSONL key / Parquet column
-    separator: str = "\n\n"           # document separator in text files
+    format: str = "auto"  # auto (by suffix) | text | jsonl | parquet
+    text_field: str = "text"  # JSONL key / Parquet column
+    separator: str = "\n\n"  # document separator in text files
     valid_paths: list[str] = dataclasses.field(default_factory=list)  # held-out files; else valid_fraction
     valid_fraction: float = 0.02
     seq_len: int = 256
     shuffle_seed: int = 0
     packing_bins: int = 8
-    shards: int = 0                   # data streams; 0 = one per process
-    num_threads: int = 2              # tokenizer threads per stream
-    prefetch: int = 4                 # batches buffered ahead per stream
+    shards: int = 0  # data streams; 0 = one per process
+    num_threads: int = 2  # tokenizer threads per stream
+    prefetch: int = 4  # batches buffered ahead per stream
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -62,15 +62,18 @@ class _Chunk(grain.experimental.FlatMapTransform):
 
 def document_tokens(tokenizer: Tokenizer, text: str) -> list[int]:
     """BOS + text + EOS: the model learns where documents start and end."""
-    st = tokenizer.special_tokens
-    bos = [tokenizer.token_to_id(st["bos_token"])] if "bos_token" in st else []
-    eos = [tokenizer.token_to_id(st["eos_token"])] if "eos_token" in st else []
-    return bos + tokenizer.encode(text, add_special_tokens=False) + eos
+
+    def special(key: str) -> list[int]:
+        token = tokenizer.special_tokens.get(key)
+        i = tokenizer.token_to_id(token) if token is not None else None
+        return [] if i is None else [i]
+
+    return special("bos_token") + tokenizer.encode(text, add_special_tokens=False) + special("eos_token")
 
 
 def unigram_entropy(tokens: Iterable[Sequence[int]]) -> float:
     """Entropy (nats per token) of the token frequencies: the loss of the best context-free model."""
-    counts = Counter()
+    counts: Counter[int] = Counter()
     for ids in tokens:
         counts.update(ids)
     p = np.array(list(counts.values()), np.float64)
@@ -85,8 +88,9 @@ class DataLoader:
     begins it again), so every evaluation sees the same batches. `docs` is that split of
     split_corpus(cfg), read once by the caller for both loaders."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, global_batch: int, split: str,
-                 docs: Sequence[str]) -> None:
+    def __init__(
+        self, cfg: DataConfig, tokenizer: Tokenizer, global_batch: int, split: str, docs: Sequence[str]
+    ) -> None:
         if split not in ("train", "valid"):
             raise ValueError(f"split must be train or valid, got {split!r}")
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
@@ -107,14 +111,16 @@ class DataLoader:
         self.restart()
 
     def _dataset(self, shard: int) -> grain.IterDataset:
-        ds = grain.MapDataset.source(self.docs)[shard::self.num_shards]
+        ds = grain.MapDataset.source(self.docs)[shard :: self.num_shards]
         if self.split == "train":
             ds = ds.shuffle(seed=self.cfg.shuffle_seed + shard).repeat()
         pieces = grain.experimental.FlatMapIterDataset(
             ds.to_iter_dataset(grain.ReadOptions(num_threads=self.cfg.num_threads, prefetch_buffer_size=64)),
-            _Chunk(self.tokenizer, self.cfg.seq_len))
+            _Chunk(self.tokenizer, self.cfg.seq_len),
+        )
         batches = pack_rows(pieces, self.cfg.seq_len, self.cfg.packing_bins).batch(
-            self.rows_per_shard, drop_remainder=True)
+            self.rows_per_shard, drop_remainder=True
+        )
         if self.cfg.prefetch:
             batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=self.cfg.prefetch)
         return batches
@@ -122,7 +128,7 @@ class DataLoader:
     def restart(self) -> None:
         self.iterators = [iter(self._dataset(s)) for s in self.shard_ids]
 
-    def __iter__(self) -> "DataLoader":
+    def __iter__(self) -> DataLoader:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
@@ -131,15 +137,22 @@ class DataLoader:
 
     def get_state(self) -> bytes:
         """JSON of every stream's grain state (the checkpoint's per-process data item)."""
-        return json.dumps({"num_shards": self.num_shards, "shards": self.shard_ids,
-                           "states": [it.get_state() for it in self.iterators]}).encode()
+        return json.dumps(
+            {
+                "num_shards": self.num_shards,
+                "shards": self.shard_ids,
+                "states": [it.get_state() for it in self.iterators],
+            }
+        ).encode()
 
     def set_state(self, state: bytes) -> None:
         saved: dict[str, Any] = json.loads(state)
         if saved["num_shards"] != self.num_shards or saved["shards"] != self.shard_ids:
-            raise ValueError(f"data.shards: the checkpoint was written with {saved['num_shards']} streams "
-                             f"(this process: {saved['shards']}); this run has {self.num_shards} "
-                             f"(this process: {self.shard_ids})")
+            raise ValueError(
+                f"data.shards: the checkpoint was written with {saved['num_shards']} streams "
+                f"(this process: {saved['shards']}); this run has {self.num_shards} "
+                f"(this process: {self.shard_ids})"
+            )
         for it, s in zip(self.iterators, saved["states"]):
             it.set_state(s)
 
@@ -162,4 +175,3 @@ def split_corpus(cfg: DataConfig) -> dict[str, list[str]]:
         return {"train": docs, "valid": load_documents(cfg.valid_paths, cfg.format, cfg.text_field, cfg.separator)}
     train, valid = split_documents(docs, cfg.valid_fraction)
     return {"train": train, "valid": valid}
-

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
-_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl",
-             ".parquet": "parquet"}
+_SUFFIXES = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 
 
 def _format_of(path: Path, fmt: str) -> str:
@@ -40,8 +39,9 @@ def _read(path: Path, fmt: str, text_field: str, separator: str) -> list[str]:
     return [d for d in table.column(text_field).to_pylist() if d]
 
 
-def load_documents(paths: Sequence[str | Path], fmt: str = "auto", text_field: str = "text",
-                   separator: str = "\n\n") -> list[str]:
+def load_documents(
+    paths: Sequence[str | Path], fmt: str = "auto", text_field: str = "text", separator: str = "\n\n"
+) -> list[str]:
     """All documents of `paths` in order (each path a file or a directory of files, sorted)."""
     if fmt not in FORMATS:
         raise ValueError(f"data.format must be one of {FORMATS}, got {fmt!r}")

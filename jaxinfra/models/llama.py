@@ -40,8 +40,14 @@ class Attention(nnx.Module):
     """Grouped-query self-attention; K/V storage and lookup are delegated to pallas_kernels.attend."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
-        e, h, kh, d, std, dt = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                cfg.initializer_range, cfg.dtype)
+        e, h, kh, d, std, dt = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.initializer_range,
+            cfg.dtype,
+        )
         self.cfg = cfg
         self.attn_impl = attn_impl
         self.q_proj = _param(rngs, (e, h, d), ("embed", "heads", "head_dim"), std, dt)
@@ -59,7 +65,10 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, "head_dim", dt)
 
     def __call__(
-        self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
         q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
@@ -73,8 +82,16 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-        out, cache = attend(q, k, v, metadata, cache, sliding_window=self.cfg.sliding_window,
-                            logit_softcap=self.cfg.attn_logit_softcap, impl=self.attn_impl)
+        out, cache = attend(
+            q,
+            k,
+            v,
+            metadata,
+            cache,
+            sliding_window=self.cfg.sliding_window,
+            logit_softcap=self.cfg.attn_logit_softcap,
+            impl=self.attn_impl,
+        )
         y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...])
         if self.cfg.o_bias:
             y = y + self.o_bias[...]
@@ -106,7 +123,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(
-        self, x: Float[Array, "B T E"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
         h, cache = self.attn(self.input_norm(x), positions, metadata, cache)
@@ -115,12 +135,20 @@ class DecoderLayer(nnx.Module):
         return constrain(x, ("batch", "length", "embed")), cache
 
 
-REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
-                  "save_dots": jax.checkpoint_policies.checkpoint_dots}
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+}
 
 
-def _layer_call(layer: "DecoderLayer", x: jax.Array, positions: jax.Array, metadata: AttentionMetadata,
-                cache: KVCache | PagedKVCache | None) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
+def _layer_call(
+    layer: DecoderLayer,
+    x: jax.Array,
+    positions: jax.Array,
+    metadata: AttentionMetadata,
+    cache: KVCache | PagedKVCache | None,
+) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
     return layer(x, positions, metadata, cache)
 
 
@@ -140,13 +168,16 @@ class LlamaModel(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std, dt)
 
     def hidden_states(
-        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        self,
+        input_ids: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        metadata: AttentionMetadata,
         caches: list[KVCache] | list[PagedKVCache] | None = None,
     ) -> tuple[Float[Array, "B T E"], list | None]:
         """Final-norm hidden states (before the LM head) and the updated per-layer caches."""
         x = jnp.take(self.embed[...], input_ids, axis=0)
         x = constrain(x, ("batch", "length", "embed"))
-        new_caches = [] if caches is not None else None
+        new_caches: list | None = [] if caches is not None else None
         call = _layer_call if self.remat == "none" else nnx.remat(_layer_call, policy=REMAT_POLICIES[self.remat])
         for i, layer in enumerate(self.layers):
             x, cache = call(layer, x, positions, metadata, None if caches is None else caches[i])
@@ -160,14 +191,19 @@ class LlamaModel(nnx.Module):
         return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
     def forward(
-        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"], metadata: AttentionMetadata,
+        self,
+        input_ids: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        metadata: AttentionMetadata,
         caches: list[KVCache] | list[PagedKVCache] | None = None,
     ) -> tuple[Float[Array, "B T V"], list | None]:
         h, caches = self.hidden_states(input_ids, positions, metadata, caches)
         return self.logits(h), caches
 
     def __call__(
-        self, input_ids: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None = None,
+        self,
+        input_ids: Int[Array, "B T"],
+        segment_ids: Int[Array, "B T"] | None = None,
         positions: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T V"]:
         """Causal forward over whole rows (optionally packed: segment ids and per-document positions)."""
@@ -180,5 +216,7 @@ class LlamaModel(nnx.Module):
     def init_caches(self, batch: int, max_len: int, dtype: str | None = None) -> list[KVCache]:
         """Zeroed contiguous KV caches, one per layer."""
         cfg = self.cfg
-        return [KVCache.zeros(batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or cfg.dtype)
-                for _ in range(cfg.num_layers)]
+        return [
+            KVCache.zeros(batch, max_len, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(dtype or cfg.dtype))
+            for _ in range(cfg.num_layers)
+        ]

@@ -33,7 +33,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def apply_rope(
-    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], inv_freq: Float[Array, "D2"]
+    x: Float[Array, "B T N D"], positions: Int[Array, "B T"], inv_freq: Float[Array | np.ndarray, " D2"]
 ) -> Float[Array, "B T N D"]:
     """Rotate each head's (i, i + D/2) pairs by position * frequency; math in float32."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)[None, None, :]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,36 +13,44 @@ import yaml
 
 from jaxinfra.checkpoint.manager import CheckpointConfig
 from jaxinfra.data import DataConfig
-from jaxinfra.train.step import TrainConfig
+from jaxinfra.train.step import OptimConfig, TrainConfig
 from sharding import PRESETS, MeshConfig
 
 
 @dataclasses.dataclass
 class RunConfig:
-    model: str = "tiny-llama"        # preset name, model YAML file, or HF directory (continue from its weights)
-    tokenizer: str | None = None      # directory with tokenizer.json; default: the model's
-    out_dir: str = "runs/default"     # checkpoints/, metrics.jsonl, tb/, loss.png, hf/
+    model: str = "tiny-llama"  # preset name, model YAML file, or HF directory (continue from its weights)
+    tokenizer: str | None = None  # directory with tokenizer.json; default: the model's
+    out_dir: str = "runs/default"  # checkpoints/, metrics.jsonl, tb/, loss.png, hf/
     steps: int = 1000
-    batch_size: int = 8               # global rows of data.seq_len tokens per step
-    seed: int = 0                     # parameter init
-    sharding: str = "fsdp"            # preset of logical-axis rules (sharding/rules.py)
+    batch_size: int = 8  # global rows of data.seq_len tokens per step
+    seed: int = 0  # parameter init
+    sharding: str = "fsdp"  # preset of logical-axis rules (sharding/rules.py)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optim: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    microbatches: int = 1  # gradient accumulation: the batch in this many pieces
+    remat: str = "none"  # per decoder layer: none | full | save_dots
+    compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval_every: int = 100
-    eval_batches: int = 8             # global batches of the held-out split per evaluation
+    eval_batches: int = 8  # global batches of the held-out split per evaluation
     log_every: int = 10
     peak_tflops: float | None = None  # per-device peak for MFU; default: known GPUs' bf16 dense peak
-    attn_impl: str | None = None      # pallas | reference | xla | cudnn (default: pallas on GPU)
-    export_hf: bool = True            # write <out_dir>/hf (safetensors + tokenizer) at the end
+    attn_impl: str | None = None  # pallas | reference | xla | cudnn (default: pallas on GPU)
+    export_hf: bool = True  # write <out_dir>/hf (safetensors + tokenizer) at the end
 
     def __post_init__(self) -> None:
+        self.train_config()  # checks remat, microbatches and compute_dtype
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.sharding not in PRESETS:
             raise ValueError(f"sharding must be one of {sorted(PRESETS)}, got {self.sharding!r}")
+
+    def train_config(self) -> TrainConfig:
+        """What the sharded step takes."""
+        return TrainConfig(self.optim, self.microbatches, self.remat, self.compute_dtype)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -52,8 +61,12 @@ def _build(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"unknown config field(s) {[f'{where}{k}' for k in unknown]}")
-    kwargs = {k: _build(hints[k], v, f"{where}{k}.") if dataclasses.is_dataclass(hints[k])
-              else _coerce(hints[k], v, f"{where}{k}") for k, v in data.items()}
+    kwargs = {
+        k: _build(hints[k], v, f"{where}{k}.")
+        if dataclasses.is_dataclass(hints[k])
+        else _coerce(hints[k], v, f"{where}{k}")
+        for k, v in data.items()
+    }
     try:
         return cls(**kwargs)
     except TypeError as e:
@@ -84,7 +97,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[leaf] = yaml.safe_load(value)
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """A RunConfig from YAML (or the defaults) plus overrides; optim.total_steps defaults to steps."""
     data: dict[str, Any] = {}
     if path is not None:

@@ -19,13 +19,17 @@ class MetricsLogger:
         from tensorboardX import SummaryWriter
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        kept = [line for line in (self.jsonl.read_text().splitlines() if self.jsonl.is_file() else [])
-                if json.loads(line)["step"] <= start_step]
+        kept = [
+            line
+            for line in (self.jsonl.read_text().splitlines() if self.jsonl.is_file() else [])
+            if json.loads(line)["step"] <= start_step
+        ]
         self.jsonl.write_text("".join(line + "\n" for line in kept))
         self.file = self.jsonl.open("a")
         self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1 if start_step else None)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress, dynamic_ncols=True
+        )
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
         if not self.enabled:

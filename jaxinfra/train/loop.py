@@ -36,10 +36,10 @@ from sharding import get_rules, make_mesh
 @dataclasses.dataclass
 class TrainResult:
     out_dir: Path
-    start_step: int                   # 0, or the checkpoint step this run resumed from
+    start_step: int  # 0, or the checkpoint step this run resumed from
     final_step: int
     eval_loss: float | None
-    unigram_entropy: float            # nats/token of the training split's token frequencies
+    unigram_entropy: float  # nats/token of the training split's token frequencies
 
 
 def model_source(cfg: RunConfig) -> tuple[ModelConfig, Tokenizer, bool]:
@@ -55,8 +55,9 @@ def model_source(cfg: RunConfig) -> tuple[ModelConfig, Tokenizer, bool]:
         model_cfg, pretrained = load_config(cfg.model), path.is_dir()
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size "
-                         f"{model_cfg.vocab_size}")
+        raise ValueError(
+            f"tokenizer: {tokenizer.vocab_size} tokens do not fit the model's vocab_size {model_cfg.vocab_size}"
+        )
     return model_cfg, tokenizer, pretrained
 
 
@@ -91,8 +92,12 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     entropy = unigram_entropy(document_tokens(tokenizer, d)[1:] for d in corpus["train"][:5000])
 
     abstract = nnx.eval_shape(lambda: LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl))
-    trainer = Trainer(load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract, mesh,
-                      get_rules(cfg.sharding), cfg.optim)
+    trainer = Trainer(
+        load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract,
+        mesh,
+        get_rules(cfg.sharding),
+        cfg.train_config(),
+    )
     checkpoints = TrainCheckpointer(out / "checkpoints", cfg.checkpoint)
     start = checkpoints.latest_step() or 0
     if start:
@@ -104,7 +109,8 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
         state = trainer.init_state()
     else:
         state = trainer.init_state(
-            lambda: nnx.to_pure_dict(nnx.state(LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl), nnx.Param)))
+            lambda: nnx.to_pure_dict(nnx.state(LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl), nnx.Param))
+        )
     if chief:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_run_config(cfg))
@@ -128,9 +134,14 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
             fetched = jax.device_get(pending)
             seconds = time.perf_counter() - tic
             tokens = sum(float(m["tokens"]) for m in fetched)
-            record = {"loss": float(np.mean([m["loss"] for m in fetched])),
-                      "grad_norm": float(fetched[-1]["grad_norm"]), "lr": float(schedule(step)),
-                      "tokens_per_s": tokens / seconds, "state_gib": state_gib, **device_memory_gib()}
+            record = {
+                "loss": float(np.mean([m["loss"] for m in fetched])),
+                "grad_norm": float(fetched[-1]["grad_norm"]),
+                "lr": float(schedule(step)),
+                "tokens_per_s": tokens / seconds,
+                "state_gib": state_gib,
+                **device_memory_gib(),
+            }
             if peak:
                 record["mfu"] = flops * tokens / seconds / (peak * 1e12 * jax.device_count())
             logger.log(done, "train", record)

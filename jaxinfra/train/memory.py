@@ -12,8 +12,7 @@ from flax import nnx
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
 from jaxinfra.train.step import TrainConfig, Trainer, sharded_bytes
-from sharding import get_rules, make_mesh
-from sharding.mesh import MeshConfig
+from sharding import MeshConfig, get_rules, make_mesh, parallel_sizes
 
 
 @dataclasses.dataclass
@@ -39,11 +38,17 @@ def analytic(num_params: int, preset: str, dp: int, tp: int) -> tuple[float, flo
     return 4 * num_params / (split_params * t), 4 * num_params / (split_grads * t), 8 * num_params / (split_opt * t)
 
 
-def memory_report(cfg: ModelConfig, mesh_config: MeshConfig, presets: list[str], batch: int, seq_len: int,
-                  train: TrainConfig = TrainConfig()) -> list[MemoryRow]:
+def memory_report(
+    cfg: ModelConfig,
+    mesh_config: MeshConfig,
+    presets: list[str],
+    batch: int,
+    seq_len: int,
+    train: TrainConfig = TrainConfig(),
+) -> list[MemoryRow]:
     abstract_model = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0)))
     mesh = make_mesh(mesh_config)
-    dp, tp = mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]
+    dp, tp = parallel_sizes(mesh)
     rows = []
     for preset in presets:
         trainer = Trainer(abstract_model, mesh, get_rules(preset), train)
@@ -52,12 +57,16 @@ def memory_report(cfg: ModelConfig, mesh_config: MeshConfig, presets: list[str],
         abstract_batch = {"input_ids": tokens, "targets": tokens, "loss_mask": tokens}
         compiled = trainer.step.lower(state, abstract_batch).compile()
         stats = compiled.memory_analysis()
-        rows.append(MemoryRow(
-            preset, sharded_bytes(state.params, trainer.param_shardings),
-            sharded_bytes(state.params, trainer.grad_shardings),
-            sharded_bytes(state.opt_state, trainer.opt_shardings),
-            int(getattr(stats, "temp_size_in_bytes", 0)) if stats is not None else 0,
-            *analytic(cfg.num_params, preset, dp, tp)))
+        rows.append(
+            MemoryRow(
+                preset,
+                sharded_bytes(state.params, trainer.param_shardings),
+                sharded_bytes(state.params, trainer.grad_shardings),
+                sharded_bytes(state.opt_state, trainer.opt_shardings),
+                int(getattr(stats, "temp_size_in_bytes", 0)) if stats is not None else 0,
+                *analytic(cfg.num_params, preset, dp, tp),
+            )
+        )
     return rows
 
 
@@ -65,9 +74,13 @@ def format_report(rows: list[MemoryRow]) -> str:
     def mib(x: float) -> str:
         return f"{x / 2**20:10.1f}"
 
-    lines = [f"{'preset':<8} {'params':>10} {'(ZeRO)':>10} {'grads':>10} {'(ZeRO)':>10} {'optimizer':>10} "
-             f"{'(ZeRO)':>10} {'activ.':>10}   MiB per device"]
+    lines = [
+        f"{'preset':<8} {'params':>10} {'(ZeRO)':>10} {'grads':>10} {'(ZeRO)':>10} {'optimizer':>10} "
+        f"{'(ZeRO)':>10} {'activ.':>10}   MiB per device"
+    ]
     for r in rows:
-        lines.append(f"{r.preset:<8} {mib(r.params)} {mib(r.analytic_params)} {mib(r.grads)} {mib(r.analytic_grads)} "
-                     f"{mib(r.optimizer)} {mib(r.analytic_optimizer)} {mib(r.activations)}")
+        lines.append(
+            f"{r.preset:<8} {mib(r.params)} {mib(r.analytic_params)} {mib(r.grads)} {mib(r.analytic_grads)} "
+            f"{mib(r.optimizer)} {mib(r.analytic_optimizer)} {mib(r.activations)}"
+        )
     return "\n".join(lines)

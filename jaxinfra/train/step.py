@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +20,17 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import REMAT_POLICIES as MODEL_REMAT
+from jaxinfra.models.llama import REMAT_POLICIES
 from sharding import ShardingRules, logical_rules, named_sharding
+from sharding.logical import Rules
 
 Params = dict[str, Any]
-REMAT_POLICIES = tuple(MODEL_REMAT)
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class OptimConfig:
+    """AdamW with warmup + cosine decay and global-norm clipping."""
+
     learning_rate: float = 3e-4
     warmup_steps: int = 100
     total_steps: int = 10_000
@@ -36,31 +38,41 @@ class TrainConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The sharded step: its optimizer, gradient accumulation, rematerialisation and compute dtype."""
+
+    optim: OptimConfig = OptimConfig()
     microbatches: int = 1
     remat: str = "none"
     compute_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"TrainConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+            raise ValueError(f"TrainConfig.remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
         if self.microbatches < 1:
             raise ValueError(f"TrainConfig.microbatches must be >= 1, got {self.microbatches}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"TrainConfig.compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
 
-def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+def make_schedule(cfg: OptimConfig) -> optax.Schedule:
     """Linear warmup from 0 to learning_rate, then cosine decay to 0 at total_steps."""
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
-                                              max(cfg.total_steps, cfg.warmup_steps + 1))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1)
+    )
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """AdamW with the schedule above and global-norm clipping; no decay on vectors (norms, biases)."""
     schedule = make_schedule(cfg)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -87,10 +99,11 @@ class ModelDef:
         state = nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self.template])
         return nnx.merge(self.graphdef, state)
 
-    def shardings(self, params: Params, mesh: Mesh, rules: dict) -> Params:
+    def shardings(self, params: Params, mesh: Mesh, rules: Rules) -> Params:
         flat = traverse_util.flatten_dict(params)
         return traverse_util.unflatten_dict(
-            {p: named_sharding(self.axes[p], rules, x.shape, mesh) for p, x in flat.items()})
+            {p: named_sharding(self.axes[p], rules, x.shape, mesh) for p, x in flat.items()}
+        )
 
 
 def lm_loss(model: LlamaModel, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -107,24 +120,32 @@ class Trainer:
     def __init__(self, model: LlamaModel, mesh: Mesh, rules: ShardingRules, cfg: TrainConfig) -> None:
         self.model_def = ModelDef(model)
         self.mesh, self.rules, self.cfg = mesh, rules, cfg
-        self.optimizer = make_optimizer(cfg)
+        self.optimizer = make_optimizer(cfg.optim)
         params = jax.tree.map(_to_fp32, self.model_def.params_of(model))
         self.param_shardings = self.model_def.shardings(params, mesh, rules.params)
         opt_param_shardings = self.model_def.shardings(params, mesh, rules.optimizer)
         replicated = NamedSharding(mesh, PartitionSpec())
         abstract_opt = jax.eval_shape(self.optimizer.init, params)
         self.opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, abstract_opt, opt_param_shardings,
-            transform_non_params=lambda _: replicated)
+            self.optimizer, lambda _, s: s, abstract_opt, opt_param_shardings, transform_non_params=lambda _: replicated
+        )
         self.grad_shardings = opt_param_shardings if rules.shard_grads else self.param_shardings
-        self.state_shardings = TrainState(replicated, self.param_shardings, self.opt_shardings)
+        # the state's shardings, as a pytree of the state's structure
+        self.state_shardings = TrainState(cast(Any, replicated), self.param_shardings, self.opt_shardings)
         self.batch_sharding = NamedSharding(mesh, PartitionSpec(rules.activations.get("batch")))
         self._init = jax.jit(self._init_impl, out_shardings=self.state_shardings)
         self._params = params  # fp32 master weights (abstract for a model built with nnx.eval_shape)
-        self.step = jax.jit(self._step_impl, in_shardings=(self.state_shardings, self.batch_sharding),
-                            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-        self.eval_step = jax.jit(self._eval_impl, in_shardings=(self.param_shardings, self.batch_sharding),
-                                 out_shardings=(replicated, replicated))
+        self.step = jax.jit(
+            self._step_impl,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=(0,),
+        )
+        self.eval_step = jax.jit(
+            self._eval_impl,
+            in_shardings=(self.param_shardings, self.batch_sharding),
+            out_shardings=(replicated, replicated),
+        )
 
     def init_state(self, make_params: Callable[[], Params] | None = None) -> TrainState:
         """State from the model's weights, or from `make_params()` run under jit straight into the
@@ -137,8 +158,9 @@ class Trainer:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it."""
         shaped = jax.eval_shape(self._init_impl, self._params)
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shaped,
-                            self.state_shardings)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shaped, self.state_shardings
+        )
 
     def _init_impl(self, params: Params) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
@@ -146,15 +168,19 @@ class Trainer:
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Global batch (the same numpy arrays on every process) -> arrays sharded over the mesh; each
         process only places the rows its own devices hold, so this works across hosts too."""
+
         def place(x: Any) -> jax.Array:
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, self.batch_sharding, lambda idx: x[idx])
+
         return {k: place(v) for k, v in batch.items()}
 
     def place_local_batch(self, rows: dict[str, np.ndarray], global_rows: int) -> dict[str, jax.Array]:
         """This process's rows of a global batch (its devices' rows, in process order) -> global arrays."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v, (global_rows, *v.shape[1:]))
-                for k, v in rows.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v, (global_rows, *v.shape[1:]))
+            for k, v in rows.items()
+        }
 
     def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         compute = jnp.dtype(self.cfg.compute_dtype)
@@ -174,7 +200,8 @@ class Trainer:
             return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), split)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, split)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count
@@ -193,10 +220,12 @@ class Trainer:
 
     def gradients(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params]:
         """Loss and gradients at `state` without updating (for checks)."""
+
         def fn(params, batch):
             with logical_rules(self.mesh, self.rules.activations):
                 loss, grads, _ = self.loss_and_grads(params, batch)
             return loss, grads
+
         return jax.jit(fn)(state.params, batch)
 
 
@@ -213,5 +242,7 @@ def per_device_bytes(tree: Any) -> int:
 
 def sharded_bytes(tree: Any, shardings: Any) -> int:
     """Bytes one device would hold of arrays (or shapes) `tree` laid out by `shardings`."""
-    return sum(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+    return sum(
+        math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings))
+    )

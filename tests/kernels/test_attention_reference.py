@@ -5,15 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (ContiguousCacheMetadata, DenseMetadata, KVCache, attend, dot_product_attention,
-                            mha_reference)
-
+from pallas_kernels import ContiguousCacheMetadata, DenseMetadata, KVCache, attend, dot_product_attention, mha_reference
 
 
 def _qkv(b, t, s, h, kh, d, seed=0, dtype=jnp.float32):
     ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (b, t, h, d), dtype), jax.random.normal(ks[1], (b, s, kh, d), dtype),
-            jax.random.normal(ks[2], (b, s, kh, d), dtype))
+    return (
+        jax.random.normal(ks[0], (b, t, h, d), dtype),
+        jax.random.normal(ks[1], (b, s, kh, d), dtype),
+        jax.random.normal(ks[2], (b, s, kh, d), dtype),
+    )
 
 
 def _naive(q, k, v, mask):
@@ -32,8 +33,9 @@ def test_gqa_causal_matches_naive(h, kh, t, s):
     mask = jnp.arange(s)[None, :] <= (jnp.arange(t) + s - t)[:, None]
     want = _naive(q, k, v, jnp.broadcast_to(mask, (2, t, s)))
     np.testing.assert_allclose(mha_reference(q, k, v, causal=True), want, atol=1e-5)
-    np.testing.assert_allclose(mha_reference(q, k, v, causal=False), _naive(q, k, v, jnp.ones((2, t, s), bool)),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        mha_reference(q, k, v, causal=False), _naive(q, k, v, jnp.ones((2, t, s), bool)), atol=1e-5
+    )
 
 
 def test_segment_ids_equal_separate_documents():
@@ -59,8 +61,9 @@ def test_sliding_window_and_softcap():
 
 def test_fully_masked_rows_are_zero_not_nan():
     q, k, v = _qkv(1, 4, 4, 2, 2, 8, seed=3)
-    out = mha_reference(q, k, v, causal=True, q_segment_ids=jnp.asarray([[5, 5, 5, 5]]),
-                        kv_segment_ids=jnp.asarray([[1, 1, 1, 1]]))
+    out = mha_reference(
+        q, k, v, causal=True, q_segment_ids=jnp.asarray([[5, 5, 5, 5]]), kv_segment_ids=jnp.asarray([[1, 1, 1, 1]])
+    )
     assert not np.isnan(np.asarray(out)).any() and np.abs(np.asarray(out)).max() == 0
 
 
@@ -68,8 +71,11 @@ def test_xla_impl_matches_reference():
     q, k, v = _qkv(2, 33, 33, 8, 2, 16, seed=4)
     seg = jnp.asarray([[0] * 20 + [1] * 13, [0] * 33])
     for kwargs in ({}, {"q_segment_ids": seg, "kv_segment_ids": seg}, {"sliding_window": 7}):
-        np.testing.assert_allclose(dot_product_attention(q, k, v, impl="xla", **kwargs),
-                                   dot_product_attention(q, k, v, impl="reference", **kwargs), atol=1e-5)
+        np.testing.assert_allclose(
+            dot_product_attention(q, k, v, impl="xla", **kwargs),
+            dot_product_attention(q, k, v, impl="reference", **kwargs),
+            atol=1e-5,
+        )
 
 
 def test_unknown_impl_is_rejected():
@@ -87,7 +93,8 @@ def test_contiguous_cache_prefill_then_decode_equals_dense():
     first, cache = attend(q[:, :6], k[:, :6], v[:, :6], ContiguousCacheMetadata(pos), cache)
     outs = [first]
     for i in range(6, 9):
-        o, cache = attend(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1],
-                          ContiguousCacheMetadata(jnp.full((2, 1), i)), cache)
+        o, cache = attend(
+            q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], ContiguousCacheMetadata(jnp.full((2, 1), i)), cache
+        )
         outs.append(o)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), dense, atol=1e-5)

@@ -12,8 +12,10 @@ SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
 
 def _inputs(b, t, s, h, kh, d, dtype, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
-    q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(dtype)
-               for key, shape in zip(ks, [(b, t, h, d), (b, s, kh, d), (b, s, kh, d)]))
+    q, k, v = (
+        jax.random.normal(key, shape, jnp.float32).astype(dtype)
+        for key, shape in zip(ks, [(b, t, h, d), (b, s, kh, d), (b, s, kh, d)])
+    )
     do = jax.random.normal(ks[3], (b, t, h, d), jnp.float32).astype(dtype)
     return q, k, v, do
 
@@ -41,12 +43,15 @@ def _check(q, k, v, do, tol, blocks=SMALL, **kwargs):
         assert err <= tol * scale, f"d{name}: {err} > {tol} * {scale}"
 
 
-@pytest.mark.parametrize("t,s,h,kh,causal", [
-    (77, 77, 4, 4, True),      # MHA, odd length
-    (77, 131, 8, 2, True),     # GQA 4, more keys than queries (queries at the end)
-    (64, 64, 8, 1, False),     # MQA / GQA 8, non-causal
-    (40, 40, 6, 2, True),      # GQA 3: not a power of two, heads tiled one by one
-])
+@pytest.mark.parametrize(
+    "t,s,h,kh,causal",
+    [
+        (77, 77, 4, 4, True),  # MHA, odd length
+        (77, 131, 8, 2, True),  # GQA 4, more keys than queries (queries at the end)
+        (64, 64, 8, 1, False),  # MQA / GQA 8, non-causal
+        (40, 40, 6, 2, True),  # GQA 3: not a power of two, heads tiled one by one
+    ],
+)
 def test_matches_reference_fp32(t, s, h, kh, causal):
     q, k, v, do = _inputs(2, t, s, h, kh, 32, jnp.float32)
     _check(q, k, v, do, 1e-5, causal=causal)

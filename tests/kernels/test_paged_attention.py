@@ -30,8 +30,8 @@ class Pool:
         owned = np.zeros(nb, bool)
         c = 0
         for i, p in enumerate(pages):
-            bt[i, :p] = perm[c:c + p]
-            owned[perm[c:c + p]] = True
+            bt[i, :p] = perm[c : c + p]
+            owned[perm[c : c + p]] = True
             c += p
         self.block_tables = jnp.asarray(bt)
         k = rng.standard_normal((nb, bs, kh, D)).astype(np.float32)
@@ -40,16 +40,25 @@ class Pool:
         if dtype == "int8":
             (kq, ks), (vq, vs) = (quantize(jnp.asarray(x).reshape(-1, kh, D)) for x in (k, v))
             shape = (nb, bs, kh)
-            self.clean = dict(k_pool=kq.reshape(k.shape), v_pool=vq.reshape(v.shape),
-                              k_scales=ks.reshape(shape), v_scales=vs.reshape(shape))
+            self.clean = dict(
+                k_pool=kq.reshape(k.shape),
+                v_pool=vq.reshape(v.shape),
+                k_scales=ks.reshape(shape),
+                v_scales=vs.reshape(shape),
+            )
             bad = ~owned[:, None, None]
-            self.poisoned = dict(self.clean, k_scales=jnp.where(bad, jnp.nan, self.clean["k_scales"]),
-                                 v_scales=jnp.where(bad, jnp.nan, self.clean["v_scales"]))
+            self.poisoned = dict(
+                self.clean,
+                k_scales=jnp.where(bad, jnp.nan, self.clean["k_scales"]),
+                v_scales=jnp.where(bad, jnp.nan, self.clean["v_scales"]),
+            )
         else:
             dt = jnp.dtype(dtype)
             self.clean = dict(k_pool=jnp.asarray(k, dt), v_pool=jnp.asarray(v, dt))
             bad = ~owned[:, None, None, None]
-            self.poisoned = dict(k_pool=jnp.where(bad, jnp.nan, k).astype(dt), v_pool=jnp.where(bad, jnp.nan, v).astype(dt))
+            self.poisoned = dict(
+                k_pool=jnp.where(bad, jnp.nan, k).astype(dt), v_pool=jnp.where(bad, jnp.nan, v).astype(dt)
+            )
 
 
 def _tol(dtype):
@@ -60,12 +69,15 @@ def _qdtype(dtype):
     return jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
 
 
-@pytest.mark.parametrize("bs,h,kh,dtype,splits", [
-    (8, 2, 2, "float32", None),   # GQA 1
-    (16, 8, 2, "bfloat16", 3),    # GQA 4, split-K
-    (64, 8, 1, "float32", 2),     # GQA 8, big blocks
-    (16, 8, 2, "int8", None),     # int8 KV
-])
+@pytest.mark.parametrize(
+    "bs,h,kh,dtype,splits",
+    [
+        (8, 2, 2, "float32", None),  # GQA 1
+        (16, 8, 2, "bfloat16", 3),  # GQA 4, split-K
+        (64, 8, 1, "float32", 2),  # GQA 8, big blocks
+        (16, 8, 2, "int8", None),  # int8 KV
+    ],
+)
 def test_decode_matches_reference(bs, h, kh, dtype, splits):
     lens = [1, 7, 33, 100, 0]  # partial last blocks; the 0 is a padding sequence
     pool = Pool(lens, bs, kh, dtype)
@@ -78,38 +90,56 @@ def test_decode_matches_reference(bs, h, kh, dtype, splits):
     assert float(jnp.abs(ours[-1]).max()) == 0.0
 
 
-@pytest.mark.parametrize("bs,h,kh,dtype,window", [
-    (8, 4, 4, "float32", None),
-    (16, 8, 2, "bfloat16", None),
-    (16, 8, 1, "int8", None),
-    (8, 8, 2, "float32", 11),
-])
+@pytest.mark.parametrize(
+    "bs,h,kh,dtype,window",
+    [
+        (8, 4, 4, "float32", None),
+        (16, 8, 2, "bfloat16", None),
+        (16, 8, 1, "int8", None),
+        (8, 8, 2, "float32", 11),
+    ],
+)
 def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window):
-    q_lens = [1, 9, 1, 30, 0]           # decodes, a whole prefill, a prefill chunk, a padding sequence
+    q_lens = [1, 9, 1, 30, 0]  # decodes, a whole prefill, a prefill chunk, a padding sequence
     kv_lens = [13, 9, 70, 45, 0]
     pool = Pool(kv_lens, bs, kh, dtype, seed=2)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    n = sum(q_lens) + 7                 # padding tokens at the end
+    n = sum(q_lens) + 7  # padding tokens at the end
     q = jax.random.normal(jax.random.key(3), (n, h, D), _qdtype(dtype))
     args = (pool.block_tables, cu, pool.kv_lens)
-    ours = ragged_paged_attention(q, pool.poisoned["k_pool"], pool.poisoned["v_pool"], *args, block_q=8,
-                                  num_splits=2, sliding_window=window,
-                                  **{k: v for k, v in pool.poisoned.items() if "scales" in k})
-    ref = ragged_paged_attention_reference(q, pool.clean["k_pool"], pool.clean["v_pool"], *args,
-                                           sliding_window=window,
-                                           **{k: v for k, v in pool.clean.items() if "scales" in k})
+    ours = ragged_paged_attention(
+        q,
+        pool.poisoned["k_pool"],
+        pool.poisoned["v_pool"],
+        *args,
+        block_q=8,
+        num_splits=2,
+        sliding_window=window,
+        **{k: v for k, v in pool.poisoned.items() if "scales" in k},
+    )
+    ref = ragged_paged_attention_reference(
+        q,
+        pool.clean["k_pool"],
+        pool.clean["v_pool"],
+        *args,
+        sliding_window=window,
+        **{k: v for k, v in pool.clean.items() if "scales" in k},
+    )
     assert not np.isnan(np.asarray(ours, np.float32)).any()
     np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
-    assert float(jnp.abs(ours[sum(q_lens):]).max()) == 0.0
+    assert float(jnp.abs(ours[sum(q_lens) :]).max()) == 0.0
 
 
-@pytest.mark.parametrize("bs,h,kh,dtype,window,softcap", [
-    (8, 4, 4, "float32", None, None),
-    (16, 8, 2, "bfloat16", None, None),
-    (16, 8, 1, "int8", None, None),
-    (8, 8, 2, "float32", 11, None),
-    (8, 6, 2, "float32", None, 5.0),   # GQA 3
-])
+@pytest.mark.parametrize(
+    "bs,h,kh,dtype,window,softcap",
+    [
+        (8, 4, 4, "float32", None, None),
+        (16, 8, 2, "bfloat16", None, None),
+        (16, 8, 1, "int8", None, None),
+        (8, 8, 2, "float32", 11, None),
+        (8, 6, 2, "float32", None, 5.0),  # GQA 3
+    ],
+)
 @pytest.mark.parametrize("host_plan", [False, True])
 def test_xla_ragged_matches_reference(bs, h, kh, dtype, window, softcap, host_plan):
     """The XLA formulation (CPU serving path) on poisoned pools: decodes, whole prompts, chunks, padding."""
@@ -121,29 +151,48 @@ def test_xla_ragged_matches_reference(bs, h, kh, dtype, window, softcap, host_pl
     q = jax.random.normal(jax.random.key(3), (n, h, D), _qdtype(dtype))
     args = (pool.block_tables, jnp.asarray(cu), pool.kv_lens)
     scales = {k: v for k, v in pool.poisoned.items() if "scales" in k}
-    plan = tile_plan(cu, np.asarray(kv_lens, np.int32), np.asarray(pool.block_tables), bs, n,
-                     tile_tokens(n, n), np) if host_plan else None
-    ours = ragged_paged_attention_xla(q, pool.poisoned["k_pool"], pool.poisoned["v_pool"], *args, sliding_window=window,
-                                      logit_softcap=softcap, plan=plan, **scales)
-    ref = ragged_paged_attention_reference(q, pool.clean["k_pool"], pool.clean["v_pool"], *args,
-                                           sliding_window=window, logit_softcap=softcap,
-                                           **{k: v for k, v in pool.clean.items() if "scales" in k})
+    plan = (
+        tile_plan(cu, np.asarray(kv_lens, np.int32), np.asarray(pool.block_tables), bs, n, tile_tokens(n, n), np)
+        if host_plan
+        else None
+    )
+    ours = ragged_paged_attention_xla(
+        q,
+        pool.poisoned["k_pool"],
+        pool.poisoned["v_pool"],
+        *args,
+        sliding_window=window,
+        logit_softcap=softcap,
+        plan=plan,
+        **scales,
+    )
+    ref = ragged_paged_attention_reference(
+        q,
+        pool.clean["k_pool"],
+        pool.clean["v_pool"],
+        *args,
+        sliding_window=window,
+        logit_softcap=softcap,
+        **{k: v for k, v in pool.clean.items() if "scales" in k},
+    )
     assert not np.isnan(np.asarray(ours, np.float32)).any()
     np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
-    assert float(jnp.abs(ours[sum(q_lens):]).max()) == 0.0
+    assert float(jnp.abs(ours[sum(q_lens) :]).max()) == 0.0
 
 
-@pytest.mark.parametrize("lens,seqs,tokens", [([1, 1, 1], 5, 1), ([3, 0, 17, 1, 8], 6, 4), ([64], 2, 16),
-                                              ([0, 0], 3, 4), ([5, 5, 5, 5], 4, 2)])
+@pytest.mark.parametrize(
+    "lens,seqs,tokens",
+    [([1, 1, 1], 5, 1), ([3, 0, 17, 1, 8], 6, 4), ([64], 2, 16), ([0, 0], 3, 4), ([5, 5, 5, 5], 4, 2)],
+)
 def test_tile_plan_host_equals_device(lens, seqs, tokens):
     """tile_plan is one piece of code for numpy (host) and jax.numpy (traced): same plan either way, every
     token in exactly one tile row, rows in order, no tile more than needed."""
     cu = np.zeros(seqs + 1, np.int32)
-    cu[1:len(lens) + 1] = np.cumsum(lens)
-    cu[len(lens) + 1:] = cu[len(lens)]
+    cu[1 : len(lens) + 1] = np.cumsum(lens)
+    cu[len(lens) + 1 :] = cu[len(lens)]
     rng = np.random.default_rng(0)
     kv = np.zeros(seqs, np.int32)
-    kv[:len(lens)] = np.asarray(lens) + rng.integers(0, 20, len(lens))
+    kv[: len(lens)] = np.asarray(lens) + rng.integers(0, 20, len(lens))
     tables = rng.integers(0, 50, (seqs, 6)).astype(np.int32)
     n = int(cu[-1]) + 3
     host = tile_plan(cu, kv, tables, 8, n, tokens, np)
@@ -152,16 +201,17 @@ def test_tile_plan_host_equals_device(lens, seqs, tokens):
         np.testing.assert_array_equal(a, np.asarray(b))
     flat = host.q_index.reshape(-1)
     assert sorted(flat[flat >= 0].tolist()) == list(range(int(cu[-1])))
-    assert (host.out_index[:int(cu[-1])] >= 0).all() and (host.out_index[int(cu[-1]):] == -1).all()
-    assert (flat[host.out_index[:int(cu[-1])]] == np.arange(int(cu[-1]))).all()
+    assert (host.out_index[: int(cu[-1])] >= 0).all() and (host.out_index[int(cu[-1]) :] == -1).all()
+    assert (flat[host.out_index[: int(cu[-1])]] == np.arange(int(cu[-1]))).all()
 
 
 def test_padding_does_not_change_real_outputs():
     pool = Pool([20, 5, 0, 0], 8, 2, "float32", seed=4)
     q = jax.random.normal(jax.random.key(5), (12, 4, D))
     bt, kv = pool.block_tables, pool.kv_lens
-    fn = lambda q, cu, bt, kv: ragged_paged_attention(q, pool.clean["k_pool"], pool.clean["v_pool"], bt, cu, kv,
-                                                      block_q=4)
+    fn = lambda q, cu, bt, kv: ragged_paged_attention(
+        q, pool.clean["k_pool"], pool.clean["v_pool"], bt, cu, kv, block_q=4
+    )
     padded = fn(q, jnp.asarray([0, 6, 8, 8, 8]), bt, kv)
     alone = fn(q[:8], jnp.asarray([0, 6, 8]), bt[:2], kv[:2])
     np.testing.assert_array_equal(np.asarray(padded[:8]), np.asarray(alone))
@@ -173,9 +223,9 @@ def test_reused_block_never_leaks_old_contents():
     cache = PagedKVCache.zeros(4, bs, kh, D, jnp.float32)
     rng = np.random.default_rng(6)
     ka, va = (jnp.asarray(rng.standard_normal((bs, kh, D)) * 5, jnp.float32) for _ in range(2))
-    cache = cache.write(ka, va, jnp.arange(2 * bs, 3 * bs))          # A owns block 2, full
+    cache = cache.write(ka, va, jnp.arange(2 * bs, 3 * bs))  # A owns block 2, full
     kb, vb = (jnp.asarray(rng.standard_normal((3, kh, D)), jnp.float32) for _ in range(2))
-    cache = cache.write(kb, vb, jnp.arange(2 * bs, 2 * bs + 3))      # B reuses block 2 for 3 tokens
+    cache = cache.write(kb, vb, jnp.arange(2 * bs, 2 * bs + 3))  # B reuses block 2 for 3 tokens
     q = jax.random.normal(jax.random.key(7), (3, h, D))
     bt, cu, kv = jnp.asarray([[2]]), jnp.asarray([0, 3]), jnp.asarray([3])
     got = ragged_paged_attention(q, cache.k, cache.v, bt, cu, kv, block_q=4)
@@ -207,21 +257,29 @@ def test_int8_cache_write_round_trips():
 
 def test_dispatcher_decode_and_ragged_entries():
     from pallas_kernels import PagedMetadata
-    from pallas_kernels import paged_attention as dispatch_decode
-    from pallas_kernels import ragged_paged_attention as dispatch_ragged
+    from pallas_kernels import decode_attention as dispatch_decode
+    from pallas_kernels import ragged_attention as dispatch_ragged
 
     pool = Pool([9, 30], 8, 2, "float32", seed=8)
     cache = PagedKVCache(pool.clean["k_pool"], pool.clean["v_pool"])
     q = jax.random.normal(jax.random.key(9), (2, 4, D))
-    got = {impl: dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl=impl)
-           for impl in ("pallas", "xla", "reference")}
+    got = {
+        impl: dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl=impl)
+        for impl in ("pallas", "xla", "reference")
+    }
     np.testing.assert_allclose(got["pallas"], got["reference"], atol=1e-5)
     np.testing.assert_allclose(got["xla"], got["reference"], atol=1e-5)
     cu = jnp.asarray([0, 1, 2])
     meta = PagedMetadata(jnp.full((2,), -1), pool.block_tables, cu, pool.kv_lens, max_q_len=1)
     np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), got["reference"], atol=1e-5)
-    planned = PagedMetadata(meta.slot_mapping, meta.block_tables, cu, meta.kv_lens, 1,
-                            tile_plan(np.asarray(cu), np.asarray(pool.kv_lens), np.asarray(pool.block_tables), 8, 2, 1, np))
+    planned = PagedMetadata(
+        meta.slot_mapping,
+        meta.block_tables,
+        cu,
+        meta.kv_lens,
+        1,
+        tile_plan(np.asarray(cu), np.asarray(pool.kv_lens), np.asarray(pool.block_tables), 8, 2, 1, np),
+    )
     np.testing.assert_allclose(dispatch_ragged(q, cache, planned, impl="xla"), got["reference"], atol=1e-5)
     with pytest.raises(ValueError, match="paged attention impl"):
         dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl="cudnn")

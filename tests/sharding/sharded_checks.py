@@ -13,12 +13,22 @@ from flax import nnx  # noqa: E402
 
 from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
-from jaxinfra.train import TrainConfig, Trainer, per_device_bytes  # noqa: E402
+from jaxinfra.train import OptimConfig, TrainConfig, Trainer, per_device_bytes  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
 
-CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8,
-                  head_dim=8, initializer_range=0.1)
-TC = TrainConfig(compute_dtype="float32", warmup_steps=2, total_steps=20, learning_rate=1e-2, microbatches=2)
+CFG = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=8,
+    initializer_range=0.1,
+)
+TC = TrainConfig(
+    OptimConfig(warmup_steps=2, total_steps=20, learning_rate=1e-2), microbatches=2, compute_dtype="float32"
+)
 STEPS = 20
 
 
@@ -28,8 +38,12 @@ def batch():
 
 
 def run(shape, preset):
-    trainer = Trainer(LlamaModel(CFG, nnx.Rngs(0)), make_mesh(MeshConfig(*shape), jax.devices()[:int(np.prod(shape))]),
-                      get_rules(preset), TC)
+    trainer = Trainer(
+        LlamaModel(CFG, nnx.Rngs(0)),
+        make_mesh(MeshConfig(*shape), jax.devices()[: int(np.prod(shape))]),
+        get_rules(preset),
+        TC,
+    )
     state = trainer.init_state()
     b = trainer.shard_batch(batch())
     loss, grads = trainer.gradients(state, b)
@@ -53,13 +67,21 @@ def main():
         for shape in meshes:
             loss, grads, losses, memory, hlo = run(shape, preset)
             grad_err = max(float(np.max(np.abs(g - r) / (np.abs(r).max() + 1e-12))) for g, r in zip(grads, ref_grads))
-            report["runs"].append({
-                "preset": preset, "mesh": shape, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
-                "grad_rel_err": grad_err, "curve_rel_err": float(np.max(np.abs(np.array(losses) - ref_losses)
-                                                                         / np.abs(ref_losses))),
-                "memory": memory, "all_reduce": hlo.count(" all-reduce("), "all_gather": hlo.count(" all-gather("),
-                "reduce_scatter": hlo.count(" reduce-scatter(")})
+            report["runs"].append(
+                {
+                    "preset": preset,
+                    "mesh": shape,
+                    "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
+                    "grad_rel_err": grad_err,
+                    "curve_rel_err": float(np.max(np.abs(np.array(losses) - ref_losses) / np.abs(ref_losses))),
+                    "memory": memory,
+                    "all_reduce": hlo.count(" all-reduce("),
+                    "all_gather": hlo.count(" all-gather("),
+                    "reduce_scatter": hlo.count(" reduce-scatter("),
+                }
+            )
     from jaxinfra.train.memory import memory_report
+
     report["plan"] = [dataclasses.asdict(r) for r in memory_report(CFG, MeshConfig(8, 1, 1), presets, 8, 16, TC)]
     print("REPORT" + json.dumps(report))
 

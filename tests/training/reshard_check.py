@@ -18,7 +18,7 @@ from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.data import DataConfig, DataLoader, load_documents  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.tokenizer import Tokenizer  # noqa: E402
-from jaxinfra.train import TrainConfig, Trainer  # noqa: E402
+from jaxinfra.train import OptimConfig, TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after `sharding` (tests/sharding would shadow it)
@@ -27,14 +27,22 @@ from train_helpers import write_corpus  # noqa: E402
 tmp = Path(tempfile.mkdtemp())
 docs = load_documents([write_corpus(tmp / "corpus.txt")])
 data_cfg = DataConfig(seq_len=32, packing_bins=4)
-cfg = ModelConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, initializer_range=0.05)
-optim = TrainConfig(compute_dtype="float32", warmup_steps=1, total_steps=10, learning_rate=1e-2)
+cfg = ModelConfig(
+    vocab_size=264,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    initializer_range=0.05,
+)
+optim = TrainConfig(OptimConfig(warmup_steps=1, total_steps=10, learning_rate=1e-2), compute_dtype="float32")
 model = LlamaModel(cfg, nnx.Rngs(0))
 
 
 def trainer_on(mesh: tuple[int, int, int], preset: str) -> Trainer:
-    return Trainer(model, make_mesh(MeshConfig(*mesh), jax.devices()[:int(np.prod(mesh))]), get_rules(preset), optim)
+    return Trainer(model, make_mesh(MeshConfig(*mesh), jax.devices()[: int(np.prod(mesh))]), get_rules(preset), optim)
 
 
 saver = trainer_on((8, 1, 1), "fsdp")
@@ -62,6 +70,10 @@ for mesh, preset in (((2, 2, 2), "fsdp_tp"), ((1, 1, 1), "dp")):
     restored = type(state)(np.int32(3), params, opt_state)
     restored = jax.device_put(restored, trainer.state_shardings)
     _, m = trainer.step(restored, trainer.place_local_batch(next_batch, 8))
-    report[f"{preset}{mesh}"] = {"params_identical": same, "same_next_batch": same_batch,
-                                 "next_loss": float(m["loss"]), "spec": str(layout)}
+    report[f"{preset}{mesh}"] = {
+        "params_identical": same,
+        "same_next_batch": same_batch,
+        "next_loss": float(m["loss"]),
+        "spec": str(layout),
+    }
 print("RESHARD" + json.dumps(report))

@@ -111,6 +111,19 @@ def paged_impl(impl: str | None) -> str:
     return impl
 
 
+def _paged_kwargs(
+    cache: PagedKVCache, sliding_window: int | None, logit_softcap: float | None, scale: float | None
+) -> dict[str, Any]:
+    """Keyword arguments every paged kernel takes: the pools' scales and the attention variant."""
+    return dict(
+        k_scales=cache.k_scale,
+        v_scales=cache.v_scale,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+    )
+
+
 def ragged_attention(
     q: Float[Array, "N H D"],
     cache: PagedKVCache,
@@ -123,14 +136,8 @@ def ragged_attention(
 ) -> Float[Array, "N H D"]:
     """Mixed prefill/decode attention of a flat token batch over the paged cache."""
     impl = paged_impl(impl)
-    kwargs: dict[str, Any] = dict(
-        k_scales=cache.k_scale,
-        v_scales=cache.v_scale,
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-        scale=scale,
-        max_q_len=metadata.max_q_len,
-    )
+    kwargs = _paged_kwargs(cache, sliding_window, logit_softcap, scale)
+    kwargs["max_q_len"] = metadata.max_q_len
     args = (q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens)
     if impl == "xla":
         return ragged_paged_attention_xla(*args, plan=metadata.plan, **kwargs)
@@ -151,13 +158,7 @@ def decode_attention(
 ) -> Float[Array, "S H D"]:
     """Decode attention: one new query per sequence over its pages."""
     impl = paged_impl(impl)
-    kwargs: dict[str, Any] = dict(
-        k_scales=cache.k_scale,
-        v_scales=cache.v_scale,
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-        scale=scale,
-    )
+    kwargs = _paged_kwargs(cache, sliding_window, logit_softcap, scale)
     if impl == "pallas":
         return paged_attention_pallas(q, cache.k, cache.v, block_tables, context_lens, **kwargs)
     if impl == "reference":

@@ -8,15 +8,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_attention_benchmark_quick(tmp_path):
+def _run_quick(module: str, out: Path) -> subprocess.CompletedProcess[str]:
+    """Run `python -m benchmarks.<module> --quick --out <out>` and insist it succeeds."""
     r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.attention", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
+def test_attention_benchmark_quick(tmp_path):
+    r = _run_quick("attention", tmp_path)
     rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
     ours = [row for row in rows if row["impl"] == "ours"]
     assert len(ours) == 2 and all(row["max_err"] < 2e-2 and row["fwd_ms"] > 0 for row in ours)
@@ -25,14 +31,7 @@ def test_attention_benchmark_quick(tmp_path):
 
 
 def test_paged_attention_benchmark_quick(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.paged_attention", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
+    _run_quick("paged_attention", tmp_path)
     result = json.loads((tmp_path / "paged_attention.json").read_text())
     ours = [row for row in result["decode"] if row["impl"] == "ours"]
     assert {row["kv"] for row in ours} == {"bf16", "int8"} and all(row["max_err"] < 2e-2 for row in ours)
@@ -40,13 +39,6 @@ def test_paged_attention_benchmark_quick(tmp_path):
 
 
 def test_train_throughput_quick(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.train_throughput", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run_quick("train_throughput", tmp_path)
     result = json.loads((tmp_path / "train_throughput.json").read_text())
     assert result["tokens_per_s"] > 0 and result["mfu"] > 0 and "MFU" in r.stdout

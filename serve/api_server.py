@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import socket
@@ -26,6 +27,7 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from serve.async_engine import AsyncEngine
@@ -33,8 +35,9 @@ from serve.config import EngineArgs
 from serve.core_client import EngineDeadError
 from serve.metrics import ServerMetrics
 from serve.openai_protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _Common
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import CompletionOutput, Logprobs, RequestOutput
 from serve.sampling_params import OutputKind
+from serve.tokenizer_routes import add_tokenizer_routes, render_chat
 
 
 def bad_request(e: Exception) -> OpenAIError:
@@ -122,23 +125,28 @@ class _Generation:
         prompts: list[list[int]],
         logprobs: int | None,
         requested_max: int | None,
-        cache_salt: str | None = None,
+        *,
+        echo: list[str] | None = None,
     ) -> None:
-        self.state, self.req, self.prompts, self.cache_salt = state, req, prompts, cache_salt
+        """`echo`: the prompts' text, put before each choice's output (completions' echo)."""
+        self.state, self.req, self.prompts, self.echo = state, req, prompts, echo
+        self.echo_only = echo is not None and requested_max == 0  # max_tokens 0: the prompt alone
         self.id = f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         self.ids = [f"{self.id}-{i}" for i in range(len(prompts))]
         kind: OutputKind = "delta" if req.stream else "final_only"
+        at_least_one = None if requested_max is None else max(requested_max, 1)
         try:
-            self.params = [
-                req.sampling_params(self._max_tokens(requested_max, len(p)), logprobs, kind) for p in prompts
-            ]
+            self.params = [req.sampling_params(self._max_tokens(at_least_one, len(p)), logprobs, kind) for p in prompts]
         except (ValueError, TypeError) as e:
             raise bad_request(e) from e
+        if echo is not None and logprobs is not None:  # echoed tokens carry their logprobs too
+            k = max(logprobs, req.prompt_logprobs or 0)
+            self.params = [dataclasses.replace(p, prompt_logprobs=k) for p in self.params]
         self.num_seqs = len(prompts) * req.n
         self.completion_tokens = 0
         self.final: dict[int, RequestOutput] = {}
         self.text_offset: dict[int, int] = {}
-        self.roles_sent: set[int] = set()
+        self.started: set[int] = set()  # choices that have shown their first output
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
         limit = self.state.engine.max_model_len
@@ -166,7 +174,11 @@ class _Generation:
         streams: list[AsyncGenerator[RequestOutput, None]] = []
         try:
             for rid, prompt, params in zip(self.ids, self.prompts, self.params):
-                streams.append(await self.state.engine.add_request(rid, prompt, params, cache_salt=self.cache_salt))
+                streams.append(
+                    await self.state.engine.add_request(
+                        rid, prompt, params, cache_salt=self.req.cache_salt, priority=self.req.priority
+                    )
+                )
         except BaseException as e:
             for s in streams:
                 await s.aclose()
@@ -183,6 +195,9 @@ class _Generation:
 
     def record(self, i: int, out: RequestOutput) -> None:
         """Count an output's tokens (new ones in a stream; all, once, otherwise) and keep the last."""
+        if self.echo_only:  # the one token generated to get there is not part of the answer
+            for o in out.outputs:
+                o.text, o.token_ids, o.logprobs = "", [], ([] if o.logprobs is not None else None)
         self.completion_tokens += sum(len(o.token_ids) for o in out.outputs)
         if out.finished:
             self.final[i] = out
@@ -228,6 +243,11 @@ def build_app(
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
         return _error(e)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "method_not_allowed"}.get(e.status_code, "invalid_request_error")
+        return _error(OpenAIError(e.status_code, str(e.detail), type_=kind))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
@@ -236,8 +256,6 @@ def build_app(
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message, param = "request body is not valid JSON", None
-        elif first.get("type") == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {param}"
         where = ".".join(loc)
         return _error(OpenAIError(400, f"{message} (field: {where})" if param else message, param=param))
 
@@ -273,18 +291,45 @@ def build_app(
                     "object": "model",
                     "created": state.created,
                     "owned_by": "jaxinfra",
+                    "root": engine.args.model,
+                    "parent": None,
                     "max_model_len": engine.max_model_len,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, state.model_name).hex}",
+                            "object": "model_permission",
+                            "created": state.created,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
                 }
             ],
         }
 
     def _check_model(req: _Common) -> None:
-        if req.model != state.model_name:
+        if req.model is not None and req.model != state.model_name:
             raise OpenAIError(404, f"The model '{req.model}' does not exist.", param="model", code="model_not_found")
         req.check_supported()
+        if req.priority != 0 and engine.args.scheduling_policy != "priority":
+            raise OpenAIError(
+                400, "priority needs the server started with --scheduling-policy priority", param="priority"
+            )
 
-    def _tokenize(prompt: str | list[int]) -> list[int]:
+    def _tokenize(prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         try:
+            if isinstance(prompt, str) and engine.tokenizer is not None:
+                try:
+                    return engine.input_processor.tokenize(engine.tokenizer.encode(prompt, add_special_tokens))
+                except (UnicodeError, TypeError) as e:  # e.g. a lone surrogate
+                    raise ValueError(f"prompt is not valid text: {e}") from e
             return engine.input_processor.tokenize(prompt)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="prompt") from e
@@ -355,9 +400,54 @@ def build_app(
             state.in_flight -= gen.num_seqs
         yield "data: [DONE]\n\n"
 
+    # --- shared formatting ---------------------------------------------------------------------
+    def ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda kv: -kv[1])
+
+    def prompt_logprobs_json(plp: Logprobs | list[dict[int, float] | None] | None) -> list[Any] | None:
+        """vLLM's layout: None for the first token, then {token id: {logprob, rank, decoded_token}}
+        (the actual token and the top alternatives; rank is known within the top alternatives)."""
+        if plp is None:
+            return None
+        out: list[Any] = []
+        for entry in plp:
+            if entry is None:
+                out.append(None)
+                continue
+            top = ranked(entry)[: len(entry) - 1] if len(entry) > 1 else ranked(entry)
+            ranks = {t: r + 1 for r, (t, _) in enumerate(top)}
+            out.append(
+                {
+                    str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": state.token_text(t)}
+                    for t, lp in entry.items()
+                }
+            )
+        return out
+
+    def extras(gen: _Generation, out: RequestOutput, o: CompletionOutput, first: bool) -> dict[str, Any]:
+        """vLLM's per-choice extensions: token ids (return_token_ids) and prompt logprobs."""
+        body: dict[str, Any] = {}
+        if gen.req.return_token_ids:
+            body["token_ids"] = list(o.token_ids)
+            if first:
+                body["prompt_token_ids"] = out.prompt_token_ids
+        if gen.req.prompt_logprobs is not None and first:
+            body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        return body
+
+    def chunk_usage(gen: _Generation, chunk: dict[str, Any]) -> dict[str, Any]:
+        opts = gen.req.stream_options
+        if opts is not None and opts.continuous_usage_stats:
+            chunk["usage"] = gen.usage()
+        return chunk
+
     # --- /v1/completions -----------------------------------------------------------------------
-    def completion_logprobs(gen: _Generation, c: int, o: CompletionOutput) -> dict[str, Any]:
-        tokens = [state.token_text(t) for t in o.token_ids]
+    def completion_logprobs(
+        gen: _Generation, c: int, pairs: list[tuple[int, dict[int, float] | None]]
+    ) -> dict[str, Any]:
+        """OpenAI's completion logprobs for (token, {token: logprob} or None) pairs, text offsets
+        continuing from what this choice has shown."""
+        tokens = [state.token_text(t) for t, _ in pairs]
         offsets, pos = [], gen.text_offset.get(c, 0)
         for t in tokens:
             offsets.append(pos)
@@ -365,32 +455,49 @@ def build_app(
         gen.text_offset[c] = pos
         return {
             "tokens": tokens,
-            "token_logprobs": [lp[t] for lp, t in zip(o.logprobs or [], o.token_ids)],
-            "top_logprobs": [{state.token_text(k): v for k, v in lp.items()} for lp in o.logprobs or []],
+            "token_logprobs": [None if lp is None else lp[t] for t, lp in pairs],
+            "top_logprobs": [
+                None if lp is None else {state.token_text(k): v for k, v in lp.items()} for _, lp in pairs
+            ],
             "text_offset": offsets,
+        }
+
+    def completion_choice(gen: _Generation, i: int, out: RequestOutput, o: CompletionOutput) -> dict[str, Any]:
+        """One choice's text and logprobs so far; the echoed prompt comes before the first."""
+        c = gen.choice(i, o.index)
+        first = c not in gen.started
+        gen.started.add(c)
+        pairs: list[tuple[int, dict[int, float] | None]] = list(zip(o.token_ids, o.logprobs or []))
+        text = o.text
+        if gen.echo is not None and first:
+            text = gen.echo[i] + text
+            prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            pairs = [*zip(out.prompt_token_ids, prompt_lps), *pairs]
+        want_lp = cast(CompletionRequest, gen.req).logprobs is not None
+        return {
+            "index": c,
+            "text": text,
+            "logprobs": completion_logprobs(gen, c, pairs) if want_lp and (pairs or o.finished()) else None,
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+            **extras(gen, out, o, first),
         }
 
     def completion_chunks(gen: _Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
         for o in out.outputs:
-            c = gen.choice(i, o.index)
-            lp = completion_logprobs(gen, c, o) if o.logprobs is not None and o.token_ids else None
-            if not o.text and not o.finished() and lp is None:
+            choice = completion_choice(gen, i, out, o)
+            if not choice["text"] and not o.finished() and choice["logprobs"] is None and len(choice) <= 5:
                 continue
-            yield {
-                "id": gen.id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": state.model_name,
-                "choices": [
-                    {
-                        "index": c,
-                        "text": o.text,
-                        "logprobs": lp,
-                        "finish_reason": o.finish_reason,
-                        "stop_reason": o.stop_reason,
-                    }
-                ],
-            }
+            yield chunk_usage(
+                gen,
+                {
+                    "id": gen.id,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": state.model_name,
+                    "choices": [choice],
+                },
+            )
 
     def completion_final(gen: _Generation, usage_only: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -401,28 +508,27 @@ def build_app(
             "choices": [],
             "usage": gen.usage(),
         }
-        if usage_only:
-            return body
-        for i in sorted(gen.final):
-            for o in gen.final[i].outputs:
-                c = gen.choice(i, o.index)
-                body["choices"].append(
-                    {
-                        "index": c,
-                        "text": o.text,
-                        "finish_reason": o.finish_reason,
-                        "stop_reason": o.stop_reason,
-                        "logprobs": completion_logprobs(gen, c, o) if o.logprobs is not None else None,
-                    }
-                )
+        if not usage_only:
+            body["choices"] = [
+                completion_choice(gen, i, gen.final[i], o) for i in sorted(gen.final) for o in gen.final[i].outputs
+            ]
         return body
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         _check_model(req)
-        ids = [_tokenize(p) for p in req.prompts()]
-        gen = _Generation(state, req, ids, req.logprobs, req.max_tokens if req.max_tokens is not None else 16)
+        if req.max_tokens == 0 and not req.echo:
+            raise OpenAIError(400, "max_tokens must be at least 1 unless echo is true", param="max_tokens")
+        ids = [_tokenize(p, req.add_special_tokens) for p in req.prompts()]
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else _decode(q) for p, q in zip(req.prompts(), ids)]
+        gen = _Generation(state, req, ids, req.logprobs, req.max_tokens, echo=echo)
         return await _run(request, gen, completion_chunks, completion_final)
+
+    def _decode(ids: list[int]) -> str:
+        tok = engine.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok else ""
 
     # --- /v1/chat/completions ------------------------------------------------------------------
     def chat_logprobs(o: CompletionOutput, top: int) -> dict[str, Any]:
@@ -432,43 +538,47 @@ def build_app(
 
         return {
             "content": [
-                {**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in list(lp.items())[:top]]}
+                {**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in ranked(lp)[:top]]}
                 for lp, t in zip(o.logprobs or [], o.token_ids)
             ]
         }
+
+    def chat_echo(gen: _Generation) -> str:
+        """vLLM's chat echo: the last message's content, when it is the assistant's."""
+        req = cast(ChatCompletionRequest, gen.req)
+        last = req.messages[-1]
+        return last.text() if req.echo and last.role == "assistant" else ""
 
     def chat_chunks(gen: _Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
         req = cast(ChatCompletionRequest, gen.req)
         base = {"id": gen.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": state.model_name}
         for o in out.outputs:
             c = gen.choice(i, o.index)
-            if c not in gen.roles_sent:
-                gen.roles_sent.add(c)
-                yield {
-                    **base,
-                    "choices": [
-                        {
-                            "index": c,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
+            first = c not in gen.started
+            if first:
+                gen.started.add(c)
+                head = {"role": "assistant", "content": chat_echo(gen)}
+                yield chunk_usage(
+                    gen,
+                    {
+                        **base,
+                        "choices": [{"index": c, "delta": head, "logprobs": None, "finish_reason": None}],
+                        **({"prompt_token_ids": out.prompt_token_ids} if req.return_token_ids else {}),
+                    },
+                )
             lp = chat_logprobs(o, req.top_logprobs or 0) if req.logprobs and o.token_ids else None
             if not o.text and not o.finished() and lp is None:
                 continue
-            yield {
-                **base,
-                "choices": [
-                    {
-                        "index": c,
-                        "delta": {"content": o.text} if o.text else {},
-                        "logprobs": lp,
-                        "finish_reason": o.finish_reason,
-                    }
-                ],
+            choice = {
+                "index": c,
+                "delta": {"content": o.text} if o.text else {},
+                "logprobs": lp,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
             }
+            if req.return_token_ids:
+                choice["token_ids"] = list(o.token_ids)
+            yield chunk_usage(gen, {**base, "choices": [choice]})
 
     def chat_final(gen: _Generation, usage_only: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -482,35 +592,38 @@ def build_app(
         if usage_only:
             return {**body, "object": "chat.completion.chunk"}
         req = cast(ChatCompletionRequest, gen.req)
-        for o in gen.final[0].outputs:
-            body["choices"].append(
-                {
-                    "index": o.index,
-                    "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                    "logprobs": chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None,
-                }
-            )
+        out = gen.final[0]
+        for o in out.outputs:
+            choice: dict[str, Any] = {
+                "index": o.index,
+                "message": {"role": "assistant", "content": chat_echo(gen) + o.text},
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+                "logprobs": chat_logprobs(o, req.top_logprobs or 0) if req.logprobs else None,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = list(o.token_ids)
+            body["choices"].append(choice)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = out.prompt_token_ids
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         return body
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         _check_model(req)
-        tok = engine.tokenizer
-        if tok is None or tok.chat_template is None:
-            raise OpenAIError(400, "this model has no chat template", param="messages")
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        messages = [m.as_template_dict() for m in req.messages]
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True)
-        except Exception as e:  # a template's raise_exception(), or a malformed conversation
-            raise OpenAIError(400, f"chat template error: {e}", param="messages") from e
+        ids = _tokenize(
+            render_chat(engine, req.messages, req.add_generation_prompt, req.chat_template_kwargs),
+            req.add_special_tokens,
+        )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         gen = _Generation(state, req, [ids], logprobs, req.requested_max_tokens())
         return await _run(request, gen, chat_chunks, chat_final)
 
+    add_tokenizer_routes(app, engine, state.model_name)
     return app
 
 
@@ -573,6 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode steps per jitted loop when the batch is decode-only and nothing waits",
     )
     p.add_argument("--no-async-scheduling", action="store_true", help="read each step's results before the next")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default=None,
+        help="priority: requests' `priority` field orders admission and preemption (lower first)",
+    )
     p.add_argument("--compilation-cache-dir", default=None, help="JAX's persistent compilation cache ('' = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling all batch shapes at start")
@@ -599,6 +718,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
             compilation_cache_dir=args.compilation_cache_dir,
             seed=args.seed,
             async_scheduling=False if args.no_async_scheduling else None,
+            scheduling_policy=args.scheduling_policy,
         ).items()
         if v is not None
     }

@@ -49,7 +49,9 @@ class AsyncEngine:
         self.max_model_len = self.core.info.max_model_len
         self.vocab_size = self.core.info.vocab_size
         self.num_blocks = self.core.info.num_blocks
-        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.seed)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, args.seed, args.scheduling_policy
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, asyncio.Queue] = {}
         self.stats: SchedulerStats | None = None
@@ -78,7 +80,14 @@ class AsyncEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, *, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Check and queue a request (ValueError for bad input, EngineDeadError if the core is gone);
         returns the stream of its outputs."""
@@ -86,7 +95,9 @@ class AsyncEngine:
             raise EngineDeadError(self.error or "the engine core process is not running")
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt)
+        req = self.input_processor.process(
+            request_id, prompt, params, cache_salt=cache_salt, prompt_token_ids=prompt_token_ids, priority=priority
+        )
         self._ensure_output_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue

@@ -25,6 +25,9 @@ def default_compilation_cache_dir() -> str:
     return os.path.join(base, "jax-compilation-cache")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclasses.dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
@@ -45,6 +48,7 @@ class EngineArgs:
     attn_impl: str | None = None  # pallas | xla | reference (default: pallas on GPU, xla elsewhere)
     async_scheduling: bool = True  # prepare step n+1 on the host while step n runs on the device
     num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps in one jitted loop
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` first, then arrival; vLLM's)
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)  # "" = off
 
     def __post_init__(self) -> None:
@@ -60,6 +64,8 @@ class EngineArgs:
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise bad("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.attn_impl is not None and self.attn_impl not in PAGED_IMPLS:
             raise bad("attn_impl", f"must be one of {', '.join(PAGED_IMPLS)} or None")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory"):

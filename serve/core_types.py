@@ -18,6 +18,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
     seed: int
     arrival_time: float
     cache_salt: str | None = None
+    priority: int = 0  # with the priority policy: lower runs first
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -20,9 +20,11 @@ class LLMEngine:
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, args: EngineArgs) -> None:
         self.args = args
         self.tokenizer = tokenizer
-        self.core = EngineCore(model, args, tokenizer.eos_token_ids if tokenizer else ())
+        self.core = EngineCore(model, args, tokenizer.eos_token_ids if tokenizer else (), tokenizer)
         self.max_model_len = self.core.max_model_len
-        self.input_processor = InputProcessor(tokenizer, model.cfg.vocab_size, self.max_model_len, args.seed)
+        self.input_processor = InputProcessor(
+            tokenizer, model.cfg.vocab_size, self.max_model_len, args.seed, args.scheduling_policy
+        )
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod
@@ -41,12 +43,15 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; bad input (an over-long or empty prompt, unknown ids) is a ValueError here."""
         params = params or SamplingParams()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = self.input_processor.process(request_id, prompt, params, cache_salt=cache_salt, arrival_time=arrival_time)
+        req = self.input_processor.process(
+            request_id, prompt, params, cache_salt=cache_salt, arrival_time=arrival_time, priority=priority
+        )
         self.core.add_request(req)
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, req.prompt_token_ids, params, req.arrival_time

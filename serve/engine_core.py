@@ -17,7 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxinfra.loading import load_tokenizer
 from jaxinfra.models import LlamaModel
+from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprobs
 from serve.kv_cache import BlockManager
@@ -25,6 +27,7 @@ from serve.runner import InFlight, LogprobArrays, ModelRunner, num_blocks_for_me
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.scheduler import Scheduler, SchedulerOutput
 from serve.sequence import Sequence, Status
+from serve.structured_output import GrammarCompiler
 
 DEFAULT_CPU_KV_MEMORY = 256 * 2**20
 
@@ -49,9 +52,17 @@ def _logprobs(token: int, lp: Logprob, k: int) -> TokenLogprobs:
 
 
 class EngineCore:
-    def __init__(self, model: LlamaModel, args: EngineArgs, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        args: EngineArgs,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """`tokenizer` serves structured outputs (loaded from the model's folder when needed if None)."""
         cfg = model.cfg
         self.args = args
+        self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
         if self.max_model_len > cfg.max_position_embeddings:
@@ -79,7 +90,9 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
         self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget, args.enable_chunked_prefill)
+        self.scheduler = Scheduler(
+            self.block_manager, args.max_num_seqs, budget, args.enable_chunked_prefill, args.scheduling_policy
+        )
         self.runner = ModelRunner(
             model,
             block_size=args.block_size,
@@ -124,7 +137,14 @@ class EngineCore:
         p = req.params
         if any(t >= self.vocab_size for t in p.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size})")
-        seqs = [Sequence(req.request_id, i, ids, p, req.seed, req.cache_salt) for i in range(p.n)]
+        seqs = [
+            Sequence(req.request_id, i, ids, p, req.seed, req.cache_salt, (req.priority, req.arrival_time))
+            for i in range(p.n)
+        ]
+        if p.structured_outputs is not None:
+            grammar = self._grammar()
+            for seq in seqs:
+                seq.matcher = grammar.matcher(p.structured_outputs)
         self.requests[req.request_id] = CoreRequest(req, seqs, seqs[1:])
         self.scheduler.add(seqs[0])
 
@@ -145,6 +165,15 @@ class EngineCore:
                 seq.finish_reason = seq.finish_reason or "abort"
             if req.finished:
                 del self.requests[rid]
+
+    def _grammar(self) -> GrammarCompiler:
+        """The structured-output compiler, built with the first request that needs it."""
+        if self.runner.grammar is None:
+            tok = self.tokenizer or load_tokenizer(self.args.tokenizer or self.args.model)
+            if tok is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            self.runner.grammar = GrammarCompiler(tok, self.vocab_size, self.eos_token_ids)
+        return self.runner.grammar
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.inflight)
@@ -184,9 +213,10 @@ class EngineCore:
 
     def _must_sync(self) -> bool:
         """Results must be read before scheduling: after a decode loop (counts unknown), and when a
-        running sequence with penalties needs its last token in the host-built history."""
+        running sequence with penalties needs its last token in the host-built history, or one with
+        a structured output in its matcher."""
         return self.inflight[-1].batch.num_steps > 1 or any(
-            s.num_pending and s.params.uses_penalties for s in self.scheduler.running
+            s.num_pending and (s.params.uses_penalties or s.matcher is not None) for s in self.scheduler.running
         )
 
     def _drain(self, outputs: dict[Sequence, EngineCoreOutput]) -> None:
@@ -195,12 +225,16 @@ class EngineCore:
 
     def _decode_steps(self, sched: SchedulerOutput) -> int:
         """How many decode steps to run in one jitted loop: num_scheduler_steps when the batch is
-        decode-only, nothing waits, no sequence needs penalties, and the pool has the blocks."""
+        decode-only, nothing waits, no sequence needs penalties or a token mask, and the pool has the
+        blocks."""
         k = self.args.num_scheduler_steps
         if k == 1 or not sched.decode_only or self.scheduler.waiting:
             return 1
         seqs = [s for s, _ in sched.scheduled]
-        if any(s.params.uses_penalties or len(s.params.stop_token_ids) > MAX_BANNED_STOP_IDS for s in seqs):
+        if any(
+            s.params.uses_penalties or s.matcher is not None or len(s.params.stop_token_ids) > MAX_BANNED_STOP_IDS
+            for s in seqs
+        ):
             return 1
         for s in seqs:
             if not self.block_manager.allocate_slots(s, min(k, self.runner.budget(s))):
@@ -275,7 +309,9 @@ class EngineCore:
             out.new_logprobs = out.new_logprobs or []
             out.new_logprobs.append(_logprobs(token, lp, seq.params.logprobs))
         produced = len(seq.tokens) - seq.prompt_len
-        if produced >= seq.min_tokens and seq.check_eos and token in self.eos_set:
+        if seq.matcher is not None and not seq.matcher.consume_token(token) and token not in self.eos_set:
+            seq.finish_reason = "abort"  # the mask allowed only what the grammar accepts: not reached
+        elif produced >= seq.min_tokens and seq.check_eos and token in self.eos_set:
             seq.finish_reason = "stop"
         elif produced >= seq.min_tokens and token in seq.stop_ids:
             seq.finish_reason, seq.stop_reason = "stop", token

@@ -8,7 +8,8 @@ import numpy as np
 
 from jaxinfra.tokenizer import Tokenizer
 from serve.core_types import EngineCoreRequest
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from serve.structured_output import GrammarCompiler
 
 Prompt = str | list[int]
 
@@ -17,11 +18,20 @@ class InputProcessor:
     """Everything a request can get wrong is found here, as a ValueError naming it, before any of it
     reaches the engine core or the device."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        seed: int = 0,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.rng = np.random.default_rng(seed)
+        self.grammar: GrammarCompiler | None = None
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
@@ -54,6 +64,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> EngineCoreRequest:
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
@@ -62,11 +73,27 @@ class InputProcessor:
             )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, and this engine has none")
+            if self.grammar is None:
+                self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids)
+            self.grammar.validate(params.structured_outputs)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}]")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError("priority is set but the engine's scheduling_policy is not 'priority'")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
         seed = params.device_seed
         if seed is None:
             seed = int(self.rng.integers(2**31 - 1))
         return EngineCoreRequest(
-            request_id, ids, params, seed, time.monotonic() if arrival_time is None else arrival_time, cache_salt
+            request_id,
+            ids,
+            params,
+            seed,
+            time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt,
+            priority,
         )

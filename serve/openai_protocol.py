@@ -1,29 +1,23 @@
-"""OpenAI request schemas (pydantic) and their translation to SamplingParams."""
+"""OpenAI request schemas (pydantic), with vLLM's extensions, and their translation to SamplingParams.
+
+Like vLLM's server, fields this server does not know are ignored (and logged), not refused; fields
+it knows but does not implement are a clear 400.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from serve.sampling_params import OutputKind, SamplingParams
+from serve.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, StructuredOutputsParams
 
-# Fields OpenAI accepts that this server does not implement: a clear 400, never silently ignored.
-UNSUPPORTED = (
-    "logit_bias",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "response_format",
-    "suffix",
-    "best_of",
-    "echo",
-    "parallel_tool_calls",
-    "audio",
-    "modalities",
-    "prediction",
-)
+logger = logging.getLogger("jaxinfra.serve")
+
+# Known fields this server refuses with a 400 rather than ignore (ignoring them would change the answer).
+UNSUPPORTED = ("logit_bias", "tools", "functions", "function_call", "suffix", "audio", "prediction")
 
 
 class OpenAIError(Exception):
@@ -44,19 +38,40 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    """Unknown fields are kept aside (`model_extra`) and logged by `warn_unknown`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def warn_unknown(self, where: str = "") -> None:
+        for name in self.model_extra or {}:
+            logger.warning("ignoring unknown request field %r", f"{where}{name}")
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class _Common(BaseModel):
+class JsonSchema(_Lenient):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class _Common(_Lenient):
     """Sampling fields shared by both endpoints (OpenAI's, plus vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    n: int = Field(1, ge=1, le=16)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
@@ -65,6 +80,7 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -74,19 +90,23 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # accepted only to be refused with a clear message
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False
+    cache_salt: str | None = None
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # known, refused (see UNSUPPORTED)
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
     suffix: str | None = None
-    best_of: int | None = None
-    echo: bool | None = None
-    parallel_tool_calls: bool | None = None
     audio: Any = None
-    modalities: Any = None
     prediction: Any = None
 
     @field_validator("stop")
@@ -97,11 +117,56 @@ class _Common(BaseModel):
         return v
 
     def check_supported(self) -> None:
+        """A 400 for what this server refuses; unknown fields are logged."""
+        self.warn_unknown()
+        for nested, where in ((self.stream_options, "stream_options."), (self.response_format, "response_format.")):
+            if nested is not None:
+                nested.warn_unknown(where)
         for name in UNSUPPORTED:
-            if getattr(self, name) not in (None, False):
+            if getattr(self, name) not in (None, False, [], {}):
                 raise OpenAIError(400, f"'{name}' is not supported by this server", param=name)
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(
+                400,
+                f"best_of ({self.best_of}) must equal n ({self.n}): ranking extra samples is not supported "
+                "(as in vLLM V1)",
+                param="best_of",
+            )
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint from whichever field carries it (one at most)."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        try:
+            if self.structured_outputs is not None:
+                found.append(("structured_outputs", StructuredOutputsParams(**self.structured_outputs)))
+            for field, key in (
+                ("guided_json", "json"),
+                ("guided_regex", "regex"),
+                ("guided_choice", "choice"),
+                ("guided_grammar", "grammar"),
+            ):
+                if getattr(self, field) is not None:
+                    found.append((field, StructuredOutputsParams(**{key: getattr(self, field)})))
+            rf = self.response_format
+            if rf is not None and rf.type == "json_object":
+                found.append(("response_format", StructuredOutputsParams(json_object=True)))
+            elif rf is not None and rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema")
+                found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(400, str(e), param=found[-1][0] if found else "structured_outputs") from e
+        if len(found) > 1:
+            fields = ", ".join(name for name, _ in found)
+            raise OpenAIError(400, f"give one output constraint, got {fields}", param=found[1][0])
+        if found and isinstance(found[0][1].json, str):
+            try:
+                json.loads(found[0][1].json)
+            except ValueError as e:
+                raise OpenAIError(400, f"the JSON schema is not valid JSON: {e}", param=found[0][0]) from e
+        return found[0][1] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, output_kind: OutputKind) -> SamplingParams:
         """The engine's settings for this request (a ValueError names a bad field)."""
@@ -121,15 +186,21 @@ class _Common(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=output_kind,
+            structured_outputs=self.structured(),
         )
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod
@@ -159,11 +230,12 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def as_template_dict(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        out = {"role": self.role, "content": content or ""}
+        return "".join(part.text for part in content) if isinstance(content, list) else content or ""
+
+    def as_template_dict(self) -> dict[str, Any]:
+        out = {"role": self.role, "content": self.text()}
         if self.name:
             out["name"] = self.name
         return out
@@ -171,10 +243,42 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # known, refused
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: prepend the last message's content when it is the assistant's
+    tool_choice: Any = None  # "none" and absent are what this server does; anything else needs tools
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice not in (None, "none"):
+            raise OpenAIError(400, "tool calling is not supported by this server", param="tool_choice")
+        if self.continue_final_message:
+            raise OpenAIError(
+                400, "continue_final_message is not supported by this server", param="continue_final_message"
+            )
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's /tokenize: a prompt, or messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]

@@ -6,6 +6,8 @@ to a few buckets (tokens, sequences, block-table width, decode-only or not), and
 option is data, so after `warmup()` nothing compiles again. Steps are dispatched asynchronously:
 `dispatch` returns at once and `fetch` waits; a decode whose previous token is still on the device
 reads it there. A decode-only batch may run `num_steps` decode steps inside one jitted loop.
+Penalties and structured-output masks resample the step's logits in a second jitted call; the host
+fills the masks while the first call runs.
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ from jaxinfra.models import LlamaModel
 from pallas_kernels import PagedKVCache, PagedMetadata, kv_bytes_per_element, paged_impl, tile_plan
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
 from serve.host_transfer import pack, unpack
-from serve.sampler import ROW_FIELDS, SamplerOutput, SamplingTensors, apply_penalties, row_settings, sample
+from serve.sampler import (
+    ROW_FIELDS,
+    SamplerOutput,
+    SamplingTensors,
+    apply_bitmask,
+    apply_penalties,
+    row_settings,
+    sample,
+)
 from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGPROBS
 from serve.scheduler import SchedulerOutput
 from serve.sequence import Sequence
+from serve.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, logical_rules, named_sharding, shard_state, tensor_parallel_mesh
 
 PROMPT_LOGPROB_CHUNK = 128  # prompt tokens whose full-vocabulary logprobs are computed at once
@@ -68,8 +79,9 @@ class StepBatch:
     max_q_len: int
     num_steps: int = 1  # > 1: a jitted multi-step decode loop
     budget: np.ndarray | None = None  # multi-step: tokens each row may still produce
-    history: tuple[np.ndarray, np.ndarray] | None = None  # penalties: [S, L] ids and is-output flags
+    history: tuple[np.ndarray, np.ndarray] | None = None  # resampling: [S, L] ids and is-output flags
     prompt_logprobs: bool = False
+    grammar_rows: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (matcher, row) to mask
 
 
 LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
@@ -125,7 +137,7 @@ class SlotTable:
         self.stop_ids = np.full((capacity, MAX_BANNED_STOP_IDS), -1, np.int32)
         self.prompt_len = np.zeros(capacity, np.int32)
         self.max_output = np.zeros(capacity, np.int32)
-        self.penalties = np.zeros(capacity, bool)
+        self.resample = np.zeros(capacity, bool)  # penalties or a structured output
         self.prompt_logprobs = np.zeros(capacity, bool)
         self.slot_of: dict[int, int] = {}
         self.free = list(range(capacity - 1, -1, -1))
@@ -142,7 +154,8 @@ class SlotTable:
             self.stop_ids[slot] = -1
             self.stop_ids[slot, : len(ids)] = ids
             self.prompt_len[slot], self.max_output[slot] = seq.prompt_len, seq.max_output
-            self.penalties[slot], self.prompt_logprobs[slot] = p.uses_penalties, seq.wants_prompt_logprobs
+            self.resample[slot] = p.uses_penalties or p.structured_outputs is not None
+            self.prompt_logprobs[slot] = seq.wants_prompt_logprobs
             self.num_blocks[slot] = 0
         have, want = int(self.num_blocks[slot]), len(seq.block_ids)
         if have != want:
@@ -226,7 +239,8 @@ class ModelRunner:
         self.prev_rows: dict[int, int] = {}  # seq_id -> its row in prev_tokens
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
         self._multi = jax.jit(self._multi_impl, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
-        self._penalized = jax.jit(self._penalized_impl, static_argnames=("layout",))
+        self._resample = jax.jit(self._resample_impl, static_argnames=("layout",))
+        self.grammar: GrammarCompiler | None = None  # set by the engine core with its first structured request
 
     # --- device side ------------------------------------------------------------------------------
     def _traced(self) -> None:
@@ -298,11 +312,11 @@ class ModelRunner:
         prompt = jax.lax.cond(jnp.any(targets >= 0), lambda: self._prompt_logprobs(model, h, targets), zeros)
         return out, self._padded(out.tokens), logits, prompt, caches
 
-    def _penalized_impl(self, logits, buffers, *, layout):
+    def _resample_impl(self, logits, buffers, *, layout):
         self._traced()
-        sampling, history, is_output = unpack(buffers, layout)
+        sampling, history, is_output, bitmask = unpack(buffers, layout)
         out = sample(
-            apply_penalties(logits, sampling, history, is_output),
+            apply_bitmask(apply_penalties(logits, sampling, history, is_output), bitmask),
             sampling,
             eos_ids=self.eos_token_ids,
             raw_logits=logits,
@@ -441,8 +455,11 @@ class ModelRunner:
             batch.budget = np.zeros(sb, np.int32)
             batch.budget[:n_seq] = np.clip(left, 0, num_steps)
             plan_kv = kv_lens + np.maximum(batch.budget - 1, 0)  # pages up to the last token the loop may write
-        elif table.penalties[rows].any():
+        elif table.resample[rows].any():
             batch.history = self._history(seqs, sb)
+            batch.grammar_rows = [
+                (s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None and batch.samples[i]
+            ]
         if self.host_plan:
             inputs["plan"] = tile_plan(cu, plan_kv, block_tables, self.block_size, tb, tile_tokens(max_q_len, tb), np)
         return batch
@@ -477,8 +494,12 @@ class ModelRunner:
             self.weights, self.caches, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )
         if batch.history is not None:
-            buffers, layout = pack((batch.sampling, *batch.history))
-            out, padded = self._penalized(logits, buffers, layout=layout)
+            bitmask = np.full((batch.history[0].shape[0], bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+            if batch.grammar_rows:
+                assert self.grammar is not None
+                self.grammar.fill(batch.grammar_rows, bitmask)  # while the forward pass runs
+            buffers, layout = pack((batch.sampling, *batch.history, bitmask))
+            out, padded = self._resample(logits, buffers, layout=layout)
         self.prev_tokens = padded
         self.prev_rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
         return InFlight(batch, out, prompt)
@@ -541,7 +562,7 @@ class ModelRunner:
         return batch
 
     def warmup(self) -> None:
-        """Compile every step shape (`shapes()`), the penalty sampler per sequence bucket and, with
+        """Compile every step shape (`shapes()`), the resampler per sequence bucket and, with
         num_scheduler_steps > 1, the decode loop per decode shape."""
         jobs = [self.dummy(*shape) for shape in self.shapes()]
         if self.num_scheduler_steps > 1:

@@ -2,7 +2,8 @@
 
 Every request option is data, not shape: one compiled sampler serves greedy and random rows,
 top-k/top-p/min-p, min_tokens with stop ids, and logprobs (computed only when a row asks, under
-`lax.cond`). Penalties need the token history and run as a second jitted call on the logits.
+`lax.cond`). Penalties (which need the token history) and structured-output token masks (which
+the host computes while the forward pass runs) go through a second jitted call on the logits.
 """
 
 from __future__ import annotations
@@ -112,6 +113,14 @@ def _ban(logits: jax.Array, t: SamplingTensors, eos_ids: tuple[int, ...]) -> jax
     banned = jnp.where(held, jnp.concatenate([t.stop_ids, eos], axis=1), -1)
     banned = jnp.where(banned < 0, v, banned)
     return logits.at[jnp.arange(s)[:, None], banned].set(-jnp.inf, mode="drop")
+
+
+def apply_bitmask(logits: Float[Array, "S V"], bitmask: Int[Array, "S W"]) -> Float[Array, "S V"]:
+    """-inf where a row's bit for the token is 0 (bit i % 32 of word i // 32; structured outputs)."""
+    v = logits.shape[-1]
+    ids = jnp.arange(v)
+    bits = (bitmask[:, ids // 32] >> (ids % 32)) & 1
+    return jnp.where(bits == 1, logits, -jnp.inf)
 
 
 def _row_key(seed: jax.Array, sibling: jax.Array, pos: jax.Array) -> jax.Array:

@@ -13,6 +13,29 @@ MAX_BANNED_STOP_IDS = 32  # stop_token_ids held back on device while min_tokens 
 OutputKind = Literal["cumulative", "delta", "final_only"]
 
 
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `structured_outputs`): exactly one of a JSON schema (dict or
+    string), any JSON object, a regular expression, a choice among strings, or a Lark grammar."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                f"SamplingParams.structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be a non-empty list of non-empty strings")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -41,8 +64,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # accepted; fast tokenizers (all we load) ignore it
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -95,7 +120,12 @@ class SamplingParams:
         self.stop_token_ids = list(ids or [])
         if self.min_tokens > 0 and len(set(self.stop_token_ids)) > MAX_BANNED_STOP_IDS:
             raise bad("stop_token_ids", f"may hold at most {MAX_BANNED_STOP_IDS} distinct ids when min_tokens > 0")
-        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        flags = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+        for field in flags:
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "must be a bool")
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+from typing import Any
 
 from serve.kv_cache import BlockManager
 from serve.sequence import Sequence, Status
@@ -23,10 +25,16 @@ class SchedulerOutput:
         return all(n == 1 for _, n in self.scheduled)
 
 
+def _rank(seq: Sequence) -> Any:
+    return seq.rank
+
+
 class Scheduler:
     """Each step spends `max_num_batched_tokens` over at most `max_num_seqs` sequences: running ones
     first (decodes and unfinished prompt chunks), then waiting prompts. When blocks run out, the
-    newest running sequence is preempted (blocks freed, recomputed later).
+    newest running sequence is preempted (blocks freed, recomputed later). With the priority
+    policy, both queues are kept in (priority, arrival) order: the most urgent are admitted first
+    and the least urgent preempted first.
 
     Asynchronous scheduling: a running sequence whose last sampled token is still on the device is
     scheduled for it (the runner feeds it from the device); a waiting one is not admitted until its
@@ -38,18 +46,22 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.by_priority = policy == "priority"
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
-        if front:
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=_rank)
+        elif front:
             self.waiting.appendleft(seq)
         else:
             self.waiting.append(seq)
@@ -108,7 +120,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            if self.by_priority:
+                bisect.insort(self.running, seq, key=_rank)
+            else:
+                self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 
 from serve.sampling_params import INT32_MAX, SamplingParams
 
@@ -30,7 +31,9 @@ class Sequence:
         params: SamplingParams,
         seed: int,
         cache_salt: str | None = None,
+        rank: tuple[int, float] = (0, 0.0),
     ) -> None:
+        """`rank`: (priority, arrival time), the order of the priority scheduling policy."""
         self.seq_id = next(_counter)
         self.request_id = request_id
         self.index = index
@@ -39,6 +42,7 @@ class Sequence:
         self.params = params
         self.seed = seed
         self.cache_salt = cache_salt
+        self.rank = (*rank, self.seq_id)
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
@@ -50,6 +54,7 @@ class Sequence:
         self.stop_reason: int | None = None  # the stop token id (stop strings are the frontend's)
         self.prompt_logprobs: list = []
         self.started = False  # has sent an output
+        self.matcher: Any = None  # structured outputs: the llguidance matcher following its output
         # the stop rules, read every step
         self.max_output = INT32_MAX if params.max_tokens is None else params.max_tokens
         self.min_tokens = params.min_tokens

@@ -79,7 +79,13 @@ def _post(url, path, body, **kw):
         ({"model": MODEL_NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
         ({"model": MODEL_NAME, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-        ({"model": MODEL_NAME, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ({"model": MODEL_NAME, "prompt": "x", "best_of": 3}, 400, "best_of"),
+        ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL_NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"model": MODEL_NAME, "prompt": "x", "priority": 1}, 400, "priority"),
+        ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400, "guided_choice"),
+        ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "(("}, 400, None),
+        ({"model": MODEL_NAME, "prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
         ({"model": MODEL_NAME, "prompt": "x", "logit_bias": {"1": 2.0}}, 400, "logit_bias"),
         ({"model": MODEL_NAME, "prompt": list(range(200))}, 400, "prompt"),
         ({"model": MODEL_NAME, "prompt": [1, 999999]}, 400, "prompt"),
@@ -90,7 +96,7 @@ def test_bad_completion_requests(server, body, status, param):
     r = _post(server[0], "/v1/completions", body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["message"] and err["type"]
+    assert err["param"] == param and err["message"] and err["type"], err
 
 
 def test_bad_chat_requests_and_malformed_json(server):

@@ -8,6 +8,7 @@ from serve_helpers import GREEDY, engine, prompts, reference, run
 import serve.kv_cache
 from serve import LLM, SamplingParams
 from serve.kv_cache import BlockManager
+from serve.sampling_params import StructuredOutputsParams
 from serve.sequence import Sequence
 
 LENGTHS = (5, 40, 17, 3, 60, 9)
@@ -81,7 +82,8 @@ def test_decode_loop_stops_where_single_steps_stop(expected):
 
 def test_mixed_workload_compiles_nothing_after_warmup():
     """200 requests with every option (logprobs 0-20, prompt logprobs, penalties, min_tokens with stop
-    ids, n, seeds, filters, stop strings), arriving over time: no compilation after warm-up."""
+    ids, n, seeds, filters, stop strings, structured outputs), arriving over time: no compilation
+    after warm-up."""
     eng = engine(max_num_batched_tokens=32, num_scheduler_steps=4)
     eng.core.runner.warmup()
     compiled = eng.core.runner.num_compilations
@@ -106,6 +108,7 @@ def test_mixed_workload_compiles_nothing_after_warmup():
             stop=["ab"] if rng.random() < 0.1 else None,
             ignore_eos=bool(rng.random() < 0.5),
             max_tokens=int(rng.integers(4, 20)),
+            structured_outputs=StructuredOutputsParams(regex="[a-z]{1,12}") if rng.random() < 0.1 else None,
         )
         arrivals.setdefault(int(rng.integers(0, 120)), []).append((f"m{i}", p, params))
     done = run(eng, arrivals)

@@ -1,0 +1,80 @@
+"""Structured outputs through llguidance: a request's constraint becomes a grammar, a matcher per
+sequence follows the sampled tokens, and each step it writes the allowed next tokens as a bitmask
+(one bit per vocabulary id, 32 per int32 word) that the sampler applies on device.
+
+llguidance rather than xgrammar: it needs no torch (its masks are numpy arrays), ships one abi3
+wheel for every Python we run, and compiles JSON schemas lazily, so a new schema costs no
+up-front grammar compilation on the serving path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from jaxinfra.tokenizer import Tokenizer
+from serve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+# Compact JSON (", " and ": " separators, as json.dumps writes) unless a schema asks otherwise.
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
+
+
+def grammar_of(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar for a constraint (not yet checked: see GrammarCompiler.validate)."""
+    if so.json is not None:
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    if so.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+    if so.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(so.regex)
+    if so.choice is not None:
+        return llguidance.LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in so.choice))
+    assert so.grammar is not None
+    return llguidance.LLMatcher.grammar_from_lark(so.grammar)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarCompiler:
+    """Grammars and matchers over one tokenizer, for a model whose vocabulary has `vocab_size` ids
+    (ids the tokenizer does not know are never allowed)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size = vocab_size
+        eos = list(eos_token_ids or tokenizer.eos_token_ids)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+        self.executor = llguidance.LLExecutor()
+
+    def validate(self, so: StructuredOutputsParams) -> str:
+        """The grammar of a constraint; ValueError naming the field if it is not a valid one."""
+        try:
+            grammar = grammar_of(so)
+        except (ValueError, TypeError) as e:  # an unparsable JSON schema string, a bad schema
+            raise ValueError(f"structured_outputs: {e}") from e
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValueError(f"structured_outputs: {error}")
+        return grammar
+
+    def matcher(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of the output."""
+        m = llguidance.LLMatcher(self.tokenizer, grammar_of(so), log_level=0)
+        if m.is_error():
+            raise ValueError(f"structured_outputs: {m.get_error()}")
+        return m
+
+    def fill(self, matchers: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
+        """Write each matcher's allowed next tokens into row `index` of `bitmask` [S, words]."""
+        if matchers:
+            llnp.fill_next_token_bitmask_par(self.executor, matchers, bitmask)

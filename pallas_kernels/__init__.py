@@ -24,6 +24,7 @@ from pallas_kernels.metadata import (
     kv_bytes_per_element,
 )
 from pallas_kernels.paged_tiles import TilePlan, tile_plan
+from pallas_kernels.ragged_paged_attention import addressable_blocks
 
 __all__ = [
     "BLOCK_SIZES",
@@ -37,6 +38,7 @@ __all__ = [
     "PagedKVCache",
     "PagedMetadata",
     "TilePlan",
+    "addressable_blocks",
     "attend",
     "attention_mask",
     "decode_attention",

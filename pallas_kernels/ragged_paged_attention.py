@@ -24,6 +24,14 @@ from pallas_kernels.paged_tiles import max_work_tiles, untile, work_tiles
 from pallas_kernels.tile_ops import dot, online_softmax_step
 
 LOG2E = math.log2(math.e)
+# Rows x head_dim one program holds in registers (q, the f32 accumulator): past this ptxas spills on
+# sm_90a at 4 warps (benchmarks/kernel_report.py: 708 B at 128 rows x 128), so tiles get 8 warps from
+# 64 x 128 on and never more rows than this.
+MAX_TILE_ELEMENTS = 128 * 128
+# Triton addresses an array with 32-bit offsets when it holds <= 2^32 bytes, and sign-extends them:
+# a pool of 1-byte elements with more than 2^31 of them would be read at negative offsets
+# (64-bit offsets appear in the IR only past 2^32 bytes; tests/kernels checks both sides).
+MAX_I32_ELEMENTS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +111,27 @@ def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_re
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l))).reshape(st.tokens, st.group)
 
 
+def addressable_blocks(num_blocks: int, block_elements: int, itemsize: int) -> int:
+    """The most blocks (up to num_blocks) of a pool that Triton addresses correctly."""
+    size = num_blocks * block_elements
+    if itemsize == 1 and MAX_I32_ELEMENTS < size <= 2**32:
+        return MAX_I32_ELEMENTS // block_elements
+    return num_blocks
+
+
+def check_addressable(pool: jax.Array | jax.ShapeDtypeStruct) -> None:
+    """Refuse a pool Triton would mis-address (see MAX_I32_ELEMENTS): 1-byte elements, more than
+    2^31 of them, at most 2^32 bytes."""
+    size, nbytes = math.prod(pool.shape), math.prod(pool.shape) * jnp.dtype(pool.dtype).itemsize
+    if size > MAX_I32_ELEMENTS and nbytes <= 2**32:
+        per_block = size // pool.shape[0]
+        raise ValueError(
+            f"a {pool.dtype} KV pool of {pool.shape[0]} blocks ({size} elements, {nbytes} bytes) would be "
+            f"addressed with 32-bit offsets past 2^31 on the GPU: use at most {MAX_I32_ELEMENTS // per_block} "
+            f"blocks, or more than {2**32 // (per_block * jnp.dtype(pool.dtype).itemsize)}"
+        )
+
+
 def ragged_paged_attention(
     q: Float[Array, "N H D"],
     k_pool: Float[Array, "NB BS KH D"],
@@ -134,10 +163,14 @@ def ragged_paged_attention(
         raise ValueError(f"block_size ({bs}) and head_dim ({d}) must be powers of two")
     if (k_scales is None) != (v_scales is None) or (k_scales is None) != (k_pool.dtype != jnp.int8):
         raise ValueError("int8 pools need k_scales and v_scales; float pools take none")
+    check_addressable(k_pool)
     if cu_q_lens.shape != (s + 1,) or kv_lens.shape != (s,):
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")
-    tokens = max(1, min(block_q, pl.next_power_of_2(max_q_len or n)))
-    group = max(pl.next_power_of_2(h // kh), 16 // tokens)  # a tile needs >= 16 rows for the MMA
+    group_pad = pl.next_power_of_2(h // kh)
+    max_tokens = max(1, MAX_TILE_ELEMENTS // (group_pad * pl.next_power_of_2(d)))
+    tokens = max(1, min(block_q, pl.next_power_of_2(max_q_len or n), max_tokens))
+    group = max(group_pad, 16 // tokens)  # a tile needs >= 16 rows for the MMA
+    num_warps = 8 if tokens * group * d >= MAX_TILE_ELEMENTS // 2 else 4
     if pages_per_tile is None:
         pages_per_tile = max(1, 64 // bs)
     pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))
@@ -157,7 +190,8 @@ def ragged_paged_attention(
         interpret = jax.default_backend() != "gpu"
 
     num_tiles = max_work_tiles(n, s, tokens)
-    cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    # A length past what the block table can address is cut there: no page beyond the table is read.
+    cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), jnp.minimum(kv_lens.astype(jnp.int32), mb * bs)
     info, first_tile = work_tiles(cu_q_lens, kv_lens, tokens, num_tiles)
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -mb % pages_per_tile)))
     # Gather the queries into tiles [T, tokens, KH, group, D] (zero rows for padding and extra heads).
@@ -191,7 +225,7 @@ def ragged_paged_attention(
             jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group, d), jnp.float32),
             jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="jaxinfra_ragged_paged_attention",
     )(info, bt, qt, k_pool, v_pool, k_scales, v_scales)

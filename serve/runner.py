@@ -23,7 +23,14 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxinfra.models import LlamaModel
-from pallas_kernels import PagedKVCache, PagedMetadata, kv_bytes_per_element, paged_impl, tile_plan
+from pallas_kernels import (
+    PagedKVCache,
+    PagedMetadata,
+    addressable_blocks,
+    kv_bytes_per_element,
+    paged_impl,
+    tile_plan,
+)
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
 from serve.host_transfer import pack, unpack
 from serve.sampler import (
@@ -63,7 +70,9 @@ def num_blocks_for_memory(model: LlamaModel, block_size: int, kv_dtype: str, mem
     cfg = model.cfg
     dtype = "int8" if kv_dtype == "int8" else cfg.dtype
     per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_element(dtype, cfg.head_dim)
-    return int(memory_bytes // (per_block * block_size))
+    num_blocks = int(memory_bytes // (per_block * block_size))
+    block_elements = block_size * cfg.num_kv_heads * cfg.head_dim
+    return addressable_blocks(num_blocks, block_elements, jnp.dtype(dtype).itemsize)
 
 
 @dataclasses.dataclass

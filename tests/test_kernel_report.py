@@ -1,0 +1,43 @@
+"""The compile-time kernel report (no GPU): every kernel lowers for CUDA and compiles offline for
+sm_90a, and at the serving shapes nothing spills and shared memory fits."""
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.kernel_report import S, report, table, triton_kernels
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+
+
+@pytest.mark.slow
+def test_serving_shapes_compile_without_spills():
+    rows = report(quick=True)
+    assert {r.kernel for r in rows} >= {
+        "jaxinfra_ragged_paged_attention",
+        "jaxinfra_flash_fwd",
+        "jaxinfra_flash_dq",
+        "jaxinfra_flash_dkdv",
+    }
+    bad = [r for r in rows if not r.ok]
+    assert not bad, table(bad)
+    assert all(r.registers > 0 for r in rows)
+    assert any(r.wgmma for r in rows if r.kernel == "jaxinfra_flash_fwd")
+
+
+def _ttir(num_blocks: int) -> str:
+    pool = S((num_blocks, 16, 8, 128), jnp.int8)
+    scales = S((num_blocks, 16, 8), jnp.float32)
+
+    def call(q, k, v, bt, cu, lens, ks, vs):
+        return ragged_paged_attention(q, k, v, bt, cu, lens, k_scales=ks, v_scales=vs, max_q_len=1, interpret=False)
+
+    args = (S((4, 32, 128), jnp.bfloat16), pool, pool, S((4, 8), jnp.int32), S((5,), jnp.int32), S((4,), jnp.int32))
+    (kernel,) = triton_kernels(call, *args, scales, scales)
+    return kernel.ttir
+
+
+def test_large_int8_pools_get_64_bit_offsets():
+    """Past 2^32 bytes the lowering switches to 64-bit offsets (what makes refusing only the
+    2^31..2^32-element range enough); small pools keep 32-bit ones."""
+    assert "i64" not in _ttir(1_000)
+    assert "i64" in _ttir(2**32 // (16 * 8 * 128) + 1)

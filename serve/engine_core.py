@@ -135,8 +135,8 @@ class EngineCore:
                 f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len ({self.max_model_len})"
             )
         p = req.params
-        if any(t >= self.vocab_size for t in p.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in [*p.stop_token_ids, *(p.logit_bias or {})]):
+            raise ValueError(f"SamplingParams.stop_token_ids and logit_bias keys must be in [0, {self.vocab_size})")
         seqs = [
             Sequence(req.request_id, i, ids, p, req.seed, req.cache_salt, (req.priority, req.arrival_time))
             for i in range(p.n)

@@ -73,6 +73,8 @@ class InputProcessor:
             )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in params.logit_bias or {}):
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, and this engine has none")

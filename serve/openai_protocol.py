@@ -17,7 +17,7 @@ from serve.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, Stru
 logger = logging.getLogger("jaxinfra.serve")
 
 # Known fields this server refuses with a 400 rather than ignore (ignoring them would change the answer).
-UNSUPPORTED = ("logit_bias", "tools", "functions", "function_call", "suffix", "audio", "prediction")
+UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "audio", "prediction")
 
 
 class OpenAIError(Exception):
@@ -100,8 +100,8 @@ class _Common(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # known, refused (see UNSUPPORTED)
-    logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -192,7 +192,16 @@ class _Common(_Lenient):
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=output_kind,
             structured_outputs=self.structured(),
+            logit_bias=self.token_bias(),
         )
+
+    def token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): value for token, value in self.logit_bias.items()}
+        except ValueError as e:
+            raise OpenAIError(400, "logit_bias keys must be token ids", param="logit_bias") from e
 
 
 class CompletionRequest(_Common):

@@ -42,7 +42,7 @@ from serve.sampler import (
     row_settings,
     sample,
 )
-from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGPROBS
+from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from serve.scheduler import SchedulerOutput
 from serve.sequence import Sequence
 from serve.structured_output import GrammarCompiler, bitmask_words
@@ -91,6 +91,7 @@ class StepBatch:
     history: tuple[np.ndarray, np.ndarray] | None = None  # resampling: [S, L] ids and is-output flags
     prompt_logprobs: bool = False
     grammar_rows: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (matcher, row) to mask
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # resampling: logit_bias [S, MAX_LOGIT_BIAS] ids, values
 
 
 LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
@@ -146,7 +147,9 @@ class SlotTable:
         self.stop_ids = np.full((capacity, MAX_BANNED_STOP_IDS), -1, np.int32)
         self.prompt_len = np.zeros(capacity, np.int32)
         self.max_output = np.zeros(capacity, np.int32)
-        self.resample = np.zeros(capacity, bool)  # penalties or a structured output
+        self.resample = np.zeros(capacity, bool)  # penalties, a structured output or a logit bias
+        self.bias_ids = np.full((capacity, MAX_LOGIT_BIAS), -1, np.int32)
+        self.bias_values = np.zeros((capacity, MAX_LOGIT_BIAS), np.float32)
         self.prompt_logprobs = np.zeros(capacity, bool)
         self.slot_of: dict[int, int] = {}
         self.free = list(range(capacity - 1, -1, -1))
@@ -163,7 +166,11 @@ class SlotTable:
             self.stop_ids[slot] = -1
             self.stop_ids[slot, : len(ids)] = ids
             self.prompt_len[slot], self.max_output[slot] = seq.prompt_len, seq.max_output
-            self.resample[slot] = p.uses_penalties or p.structured_outputs is not None
+            self.resample[slot] = p.uses_penalties or p.structured_outputs is not None or bool(p.logit_bias)
+            bias = p.logit_bias or {}
+            self.bias_ids[slot], self.bias_values[slot] = -1, 0.0
+            self.bias_ids[slot, : len(bias)] = list(bias)
+            self.bias_values[slot, : len(bias)] = list(bias.values())
             self.prompt_logprobs[slot] = seq.wants_prompt_logprobs
             self.num_blocks[slot] = 0
         have, want = int(self.num_blocks[slot]), len(seq.block_ids)
@@ -177,6 +184,12 @@ class SlotTable:
         slot = self.slot_of.pop(seq.seq_id, None)
         if slot is not None:
             self.free.append(slot)
+
+    def bias(self, rows: np.ndarray, sb: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' logit_bias (ids, values) [sb, MAX_LOGIT_BIAS]; -1 ids pad."""
+        ids, values = np.full((sb, MAX_LOGIT_BIAS), -1, np.int32), np.zeros((sb, MAX_LOGIT_BIAS), np.float32)
+        ids[: len(rows)], values[: len(rows)] = self.bias_ids[rows], self.bias_values[rows]
+        return ids, values
 
     def sampling(self, rows: np.ndarray, sb: int, out_pos: np.ndarray) -> SamplingTensors:
         """The sampler's [sb] rows: the given rows, then padding rows (greedy, no filters)."""
@@ -323,9 +336,15 @@ class ModelRunner:
 
     def _resample_impl(self, logits, buffers, *, layout):
         self._traced()
-        sampling, history, is_output, bitmask = unpack(buffers, layout)
+        sampling, history, is_output, bitmask, bias_ids, bias_values = unpack(buffers, layout)
+        s, v = logits.shape
+        biased = (
+            apply_penalties(logits, sampling, history, is_output)
+            .at[jnp.arange(s)[:, None], jnp.where(bias_ids < 0, v, bias_ids)]
+            .add(bias_values, mode="drop")
+        )
         out = sample(
-            apply_bitmask(apply_penalties(logits, sampling, history, is_output), bitmask),
+            apply_bitmask(biased, bitmask),
             sampling,
             eos_ids=self.eos_token_ids,
             raw_logits=logits,
@@ -466,6 +485,7 @@ class ModelRunner:
             plan_kv = kv_lens + np.maximum(batch.budget - 1, 0)  # pages up to the last token the loop may write
         elif table.resample[rows].any():
             batch.history = self._history(seqs, sb)
+            batch.bias = table.bias(rows, sb)
             batch.grammar_rows = [
                 (s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None and batch.samples[i]
             ]
@@ -503,11 +523,13 @@ class ModelRunner:
             self.weights, self.caches, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )
         if batch.history is not None:
-            bitmask = np.full((batch.history[0].shape[0], bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+            sb = batch.history[0].shape[0]
+            bitmask = np.full((sb, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
             if batch.grammar_rows:
                 assert self.grammar is not None
                 self.grammar.fill(batch.grammar_rows, bitmask)  # while the forward pass runs
-            buffers, layout = pack((batch.sampling, *batch.history, bitmask))
+            bias = batch.bias or self.slots.bias(np.zeros(0, np.int32), sb)
+            buffers, layout = pack((batch.sampling, *batch.history, bitmask, *bias))
             out, padded = self._resample(logits, buffers, layout=layout)
         self.prev_tokens = padded
         self.prev_rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}

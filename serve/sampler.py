@@ -2,8 +2,8 @@
 
 Every request option is data, not shape: one compiled sampler serves greedy and random rows,
 top-k/top-p/min-p, min_tokens with stop ids, and logprobs (computed only when a row asks, under
-`lax.cond`). Penalties (which need the token history) and structured-output token masks (which
-the host computes while the forward pass runs) go through a second jitted call on the logits.
+`lax.cond`). Penalties (which need the token history), logit_bias and structured-output token masks
+(which the host computes while the forward pass runs) go through a second jitted call on the logits.
 """
 
 from __future__ import annotations

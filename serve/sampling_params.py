@@ -10,6 +10,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # top alternatives per position (vLLM's default max_logprobs)
 MAX_BANNED_STOP_IDS = 32  # stop_token_ids held back on device while min_tokens is not reached
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 OutputKind = Literal["cumulative", "delta", "final_only"]
 
 
@@ -68,6 +69,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -124,6 +126,16 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must be a dict of at most {MAX_LOGIT_BIAS} token ids to numbers")
+            for token, value in bias.items():
+                if not _is_int(token) or not 0 <= token <= INT32_MAX:
+                    raise bad("logit_bias", f"keys must be token ids in [0, {INT32_MAX}]")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                    raise bad("logit_bias", "values must be numbers in [-100, 100]")
+            self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
         flags = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
         for field in flags:
             if not isinstance(getattr(self, field), bool):

@@ -166,6 +166,19 @@ def test_every_vllm_field_is_accepted_and_unknown_ones_ignored(hf_server, caplog
     assert all(len(item["top_logprobs"]) == 20 for item in content)
 
 
+def test_logit_bias_forces_and_forbids_tokens(hf_server):
+    url, _ = hf_server
+    body = {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    free = post(url, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    forced = post(url, "/v1/completions", {**body, "logit_bias": {"42": 100}}).json()["choices"][0]["token_ids"]
+    assert forced == [42] * 5
+    banned = post(url, "/v1/completions", {**body, "logit_bias": {str(free[0]): -100}}).json()
+    assert banned["choices"][0]["token_ids"][0] != free[0]
+    for bad in ({"x": 1}, {"5": 101}, {"100000": 1}):
+        r = post(url, "/v1/completions", {**body, "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
 def test_tokenizer_routes_version_models_and_error_objects(hf_server):
     url, _ = hf_server
     tok = post(url, "/tokenize", {"prompt": "And God", "return_token_strs": True}).json()

@@ -82,7 +82,7 @@ def test_decode_loop_stops_where_single_steps_stop(expected):
 
 def test_mixed_workload_compiles_nothing_after_warmup():
     """200 requests with every option (logprobs 0-20, prompt logprobs, penalties, min_tokens with stop
-    ids, n, seeds, filters, stop strings, structured outputs), arriving over time: no compilation
+    ids, n, seeds, filters, stop strings, structured outputs, logit bias), arriving over time: no compilation
     after warm-up."""
     eng = engine(max_num_batched_tokens=32, num_scheduler_steps=4)
     eng.core.runner.warmup()
@@ -109,6 +109,7 @@ def test_mixed_workload_compiles_nothing_after_warmup():
             ignore_eos=bool(rng.random() < 0.5),
             max_tokens=int(rng.integers(4, 20)),
             structured_outputs=StructuredOutputsParams(regex="[a-z]{1,12}") if rng.random() < 0.1 else None,
+            logit_bias={int(rng.integers(0, 256)): 5.0} if rng.random() < 0.1 else None,
         )
         arrivals.setdefault(int(rng.integers(0, 120)), []).append((f"m{i}", p, params))
     done = run(eng, arrivals)

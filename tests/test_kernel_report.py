@@ -8,7 +8,6 @@ from benchmarks.kernel_report import S, report, table, triton_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
-
 @pytest.mark.slow
 def test_serving_shapes_compile_without_spills():
     rows = report(quick=True)

@@ -18,6 +18,7 @@ from pallas_kernels.metadata import (
     PagedKVCache,
     PagedMetadata,
 )
+from pallas_kernels.paged_attention import default_num_splits
 from pallas_kernels.paged_attention import paged_attention as paged_attention_pallas
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_paged_attention_pallas
@@ -141,8 +142,12 @@ def ragged_attention(
     args = (q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens)
     if impl == "xla":
         return ragged_paged_attention_xla(*args, plan=metadata.plan, **kwargs)
-    fn = ragged_paged_attention_pallas if impl == "pallas" else ragged_paged_attention_reference
-    return fn(*args, **kwargs)
+    if impl == "pallas":
+        if metadata.max_q_len == 1:  # decode: split long contexts so few sequences still fill the device
+            s, mb = metadata.block_tables.shape
+            kwargs["num_splits"] = default_num_splits(s, mb, cache.k.shape[1])
+        return ragged_paged_attention_pallas(*args, **kwargs)
+    return ragged_paged_attention_reference(*args, **kwargs)
 
 
 def decode_attention(

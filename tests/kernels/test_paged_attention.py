@@ -283,3 +283,18 @@ def test_dispatcher_decode_and_ragged_entries():
     np.testing.assert_allclose(dispatch_ragged(q, cache, planned, impl="xla"), got["reference"], atol=1e-5)
     with pytest.raises(ValueError, match="paged attention impl"):
         dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl="cudnn")
+
+
+def test_dispatcher_splits_long_decodes_and_matches_reference():
+    """The serving path (ragged entry, one token per sequence) splits long contexts over the KV."""
+    from pallas_kernels import PagedMetadata
+    from pallas_kernels import ragged_attention as dispatch_ragged
+    from pallas_kernels.paged_attention import default_num_splits
+
+    pool = Pool([1500, 700], 16, 2, "float32", seed=11)
+    assert default_num_splits(2, pool.mb, 16) > 1
+    cache = PagedKVCache(pool.clean["k_pool"], pool.clean["v_pool"])
+    q = jax.random.normal(jax.random.key(12), (2, 4, D))
+    meta = PagedMetadata(jnp.full((2,), -1), pool.block_tables, jnp.asarray([0, 1, 2]), pool.kv_lens, max_q_len=1)
+    want = paged_attention_reference(q, **pool.clean, block_tables=pool.block_tables, context_lens=pool.kv_lens)
+    np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), want, atol=1e-5)

@@ -1,6 +1,14 @@
 """Meshes and logical-axis rules (data, FSDP/ZeRO, tensor parallelism)."""
 
-from sharding.logical import LOGICAL_AXES, constrain, logical_rules, logical_to_spec, named_sharding, shard_state
+from sharding.logical import (
+    LOGICAL_AXES,
+    constrain,
+    dim_shards,
+    logical_rules,
+    logical_to_spec,
+    named_sharding,
+    shard_state,
+)
 from sharding.mesh import AXES, MeshConfig, initialize_distributed, make_mesh, parallel_sizes, tensor_parallel_mesh
 from sharding.rules import PRESETS, ShardingRules, get_rules
 
@@ -11,6 +19,7 @@ __all__ = [
     "MeshConfig",
     "ShardingRules",
     "constrain",
+    "dim_shards",
     "get_rules",
     "initialize_distributed",
     "logical_rules",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -76,3 +77,11 @@ def shard_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
         return var.replace(value=jax.device_put(var[...], named_sharding(names, rules, var.shape, mesh)))
 
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def dim_shards(sharding: NamedSharding, dim: int = 0) -> int:
+    """How many ways `sharding` splits dimension `dim` of an array."""
+    spec = tuple(sharding.spec) + (None,) * (dim + 1)
+    axes = spec[dim]
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sharding.mesh.shape[a] for a in names)

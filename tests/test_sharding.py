@@ -84,6 +84,12 @@ def test_collectives_in_compiled_steps(report):
     assert fsdp["all_gather"] >= 2 * 7  # weights gathered per layer and per matrix, not in one lump
     dp = run("dp", (8, 1, 1))
     assert dp["all_reduce"] >= 1  # gradients summed over the data axis
+    assert dp["all_gather"] == 0  # strided microbatches stay spread over every device
+
+
+@pytest.mark.slow
+def test_microbatches_that_cannot_spread_over_the_devices_are_refused(report):
+    assert "microbatches=2" in report["indivisible_refused"] and "multiple of 8" in report["indivisible_refused"]
 
 
 def test_mesh_config_and_presets():

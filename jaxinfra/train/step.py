@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.llama import REMAT_POLICIES
-from sharding import ShardingRules, logical_rules, named_sharding
+from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
 
 Params = dict[str, Any]
@@ -191,7 +191,11 @@ class Trainer:
     def loss_and_grads(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params, jax.Array]:
         """Mean loss and gradients over the batch, accumulated over `microbatches` (traced in the step)."""
         micro = self.cfg.microbatches
-        split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+        rows = next(iter(batch.values())).shape[0]
+        self.check_batch(rows)
+        # Strided: microbatch m takes rows m, m + micro, ... so each keeps an equal share of every
+        # device's rows (consecutive row ranges would each live on a subset of the devices).
+        split = jax.tree.map(lambda x: x.reshape(rows // micro, micro, *x.shape[1:]).swapaxes(0, 1), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def accumulate(carry, mb):
@@ -205,6 +209,17 @@ class Trainer:
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count
+
+    def check_batch(self, rows: int) -> None:
+        """Batch rows must split into `microbatches` equal parts, each spread evenly over the devices
+        the batch is sharded across (otherwise every device would compute whole microbatches)."""
+        micro = self.cfg.microbatches
+        shards = dim_shards(self.batch_sharding)
+        if rows % micro or (rows // micro) % shards:
+            raise ValueError(
+                f"a batch of {rows} rows in TrainConfig.microbatches={micro} microbatches must give each "
+                f"microbatch a multiple of {shards} rows (the devices the batch is split over)"
+            )
 
     def _step_impl(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         with logical_rules(self.mesh, self.rules.activations):

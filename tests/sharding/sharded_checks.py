@@ -32,9 +32,10 @@ TC = TrainConfig(
 STEPS = 20
 
 
-def batch():
-    ids = np.random.default_rng(0).integers(0, 256, (8, 17))
-    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((8, 16), np.int32))
+def batch(rows=16):
+    """16 rows of 8 tokens: 2 microbatches of 8 rows, one per device of a data-parallel mesh of 8."""
+    ids = np.random.default_rng(0).integers(0, 256, (rows, 9))
+    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((rows, 8), np.int32))
 
 
 def run(shape, preset):
@@ -56,6 +57,17 @@ def run(shape, preset):
         state, m = compiled(state, b)
         losses.append(float(m["loss"]))
     return float(loss), flat_grads, losses, memory, hlo
+
+
+def indivisible_refused() -> str:
+    """8 rows in 2 microbatches on 8 data-parallel devices: 4 rows per microbatch cannot be split."""
+    trainer = Trainer(LlamaModel(CFG, nnx.Rngs(0)), make_mesh(MeshConfig(8, 1, 1)), get_rules("dp"), TC)
+    state = trainer.init_state()
+    try:
+        trainer.gradients(state, trainer.shard_batch(batch(rows=8)))
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def main():
@@ -82,7 +94,8 @@ def main():
             )
     from jaxinfra.train.memory import memory_report
 
-    report["plan"] = [dataclasses.asdict(r) for r in memory_report(CFG, MeshConfig(8, 1, 1), presets, 8, 16, TC)]
+    report["plan"] = [dataclasses.asdict(r) for r in memory_report(CFG, MeshConfig(8, 1, 1), presets, 16, 8, TC)]
+    report["indivisible_refused"] = indivisible_refused()
     print("REPORT" + json.dumps(report))
 
 

@@ -309,12 +309,18 @@ class EngineCore:
             out.new_logprobs = out.new_logprobs or []
             out.new_logprobs.append(_logprobs(token, lp, seq.params.logprobs))
         produced = len(seq.tokens) - seq.prompt_len
-        if seq.matcher is not None and not seq.matcher.consume_token(token) and token not in self.eos_set:
-            seq.finish_reason = "abort"  # the mask allowed only what the grammar accepts: not reached
+        grammar_error = grammar_done = False
+        if seq.matcher is not None:  # the mask allowed only what the grammar accepts: an error is a bug
+            grammar_error = not seq.matcher.consume_token(token) and token not in self.eos_set
+            grammar_done = seq.matcher.is_stopped()  # complete: nothing may follow (as vLLM ends it)
+        if grammar_error:
+            seq.finish_reason = "abort"
         elif produced >= seq.min_tokens and seq.check_eos and token in self.eos_set:
             seq.finish_reason = "stop"
         elif produced >= seq.min_tokens and token in seq.stop_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
+        elif grammar_done:
+            seq.finish_reason = "stop"
         elif produced >= seq.max_output or len(seq.tokens) >= self.max_model_len:
             seq.finish_reason = "length"
         else:

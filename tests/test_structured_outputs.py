@@ -128,3 +128,21 @@ def test_engine_masks_every_step_and_finishes_on_the_grammar():
                 done[out.request_id] = out.outputs[0]
     for o in done.values():
         assert re.fullmatch(r"[0-9]{4}", o.text) and o.finish_reason == "stop" and len(o.token_ids) <= 5
+
+
+def test_grammar_completion_ends_the_request_even_with_ignore_eos():
+    """A finished grammar ends the sequence at once (no EOS needed), also under ignore_eos and
+    min_tokens; n > 1 siblings each follow their own matcher."""
+    eng = engine(max_num_seqs=8)
+    so = StructuredOutputsParams(choice=["alpha", "beta"])
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, min_tokens=30, structured_outputs=so
+    )
+    eng.add_request("c", [7, 8, 9], params)
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            final = out if out.finished else final
+    assert final is not None and len(final.outputs) == 3
+    for o in final.outputs:
+        assert o.text in ("alpha", "beta") and o.finish_reason == "stop"

@@ -484,10 +484,13 @@ def build_app(
         }
 
     def completion_chunks(gen: _Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
+        req = cast(CompletionRequest, gen.req)
+        wants_tokens = req.logprobs is not None or req.return_token_ids
         for o in out.outputs:
+            news = o.text or o.finished() or (wants_tokens and o.token_ids) or gen.choice(i, o.index) not in gen.started
+            if not news:
+                continue  # tokens whose text is still held back, and nobody asked for the tokens
             choice = completion_choice(gen, i, out, o)
-            if not choice["text"] and not o.finished() and choice["logprobs"] is None and len(choice) <= 5:
-                continue
             yield chunk_usage(
                 gen,
                 {

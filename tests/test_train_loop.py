@@ -63,6 +63,18 @@ def test_resume_after_kill_is_bit_exact(reference_run, tmp_path):
     assert _losses(out, "eval") == _losses(ref_tmp / "run", "eval")
 
 
+def test_resumed_log_windows_match_an_uninterrupted_run(tmp_path):
+    """Checkpoints every 3 steps, logs every 4: a run stopped at 6 and resumed logs the same
+    averaged train losses as one that ran straight to 8."""
+    base = {"log_every": 4, "optim.total_steps": 8, "export_hf": False}
+    straight = _run(tiny_run_config(tmp_path, out="straight", steps=8, **base))
+    _run(tiny_run_config(tmp_path, out="resumed", steps=6, **base))
+    resumed = _run(tiny_run_config(tmp_path, out="resumed", steps=8, **base))
+    assert resumed.start_step == 6
+    assert _losses(tmp_path / "resumed") == _losses(straight.out_dir)
+    assert sorted(_losses(straight.out_dir)) == [3, 4, 6, 8]
+
+
 def _tensorboard_scalars(tb_dir):
     """Parse TFRecord event files with tensorboardX's protobuf definitions."""
     from tensorboardX.proto import event_pb2

@@ -130,7 +130,10 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
         state, metrics = trainer.step(state, trainer.place_local_batch(next(train_data), rows))
         pending.append(metrics)
         done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
+        # A window also closes at each checkpoint, so a run resumed there logs the same windows
+        # (and the same averaged losses) as one that never stopped.
+        log_now = done % cfg.log_every == 0 or done == cfg.steps or done % cfg.checkpoint.every == 0
+        if log_now:
             fetched = jax.device_get(pending)
             seconds = time.perf_counter() - tic
             tokens = sum(float(m["tokens"]) for m in fetched)
@@ -152,7 +155,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
             logger.log(done, "eval", {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))})
         if done % cfg.checkpoint.every == 0 or done == cfg.steps:
             checkpoints.save(done, state.params, state.opt_state, train_data)
-        if done % cfg.log_every == 0:
+        if log_now:
             tic = time.perf_counter()
     checkpoints.wait()
     checkpoints.close()

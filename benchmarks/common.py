@@ -23,6 +23,25 @@ def time_fn(fn: Callable[..., Any], *args: Any, warmup: int = 2, iters: int = 10
     return statistics.median(samples)
 
 
+def device_seconds(fn: Callable[..., Any], *args: Any, iters: int = 20) -> float:
+    """Seconds per call measured on the device: `iters` calls chained inside one jitted loop (each
+    call's first argument perturbed by the previous result, so none is hoisted), minus a one-call
+    loop; dispatch and launch overhead cancel out."""
+
+    def looped(n: int) -> Callable[..., Any]:
+        def run(first: jax.Array, *rest: Any) -> jax.Array:
+            def body(_: int, acc: jax.Array) -> jax.Array:
+                out = fn((first + (acc * 0).astype(first.dtype)), *rest)
+                return acc + jnp.sum(out.astype(jnp.float32)) * 1e-30
+
+            return jax.lax.fori_loop(0, n, body, jnp.zeros((), jnp.float32))
+
+        return jax.jit(run)
+
+    one, many = looped(1), looped(iters)
+    return max((time_fn(many, *args, iters=5) - time_fn(one, *args, iters=5)) / (iters - 1), 1e-9)
+
+
 def matmul_peak_tflops(n: int = 8192, dtype: jnp.dtype = jnp.bfloat16, iters: int = 10) -> float:
     """Measured dense matmul rate (TFLOP/s) on random data: the ceiling MFU and kernels are compared to."""
     k1, k2 = jax.random.split(jax.random.key(0))

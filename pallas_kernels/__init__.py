@@ -22,6 +22,7 @@ from pallas_kernels.metadata import (
     PagedKVCache,
     PagedMetadata,
     kv_bytes_per_element,
+    paged_head_dim,
 )
 from pallas_kernels.paged_tiles import TilePlan, tile_plan
 from pallas_kernels.ragged_paged_attention import addressable_blocks
@@ -48,6 +49,7 @@ __all__ = [
     "flash_attention",
     "kv_bytes_per_element",
     "mha_reference",
+    "paged_head_dim",
     "paged_impl",
     "quantize",
     "ragged_attention",

@@ -118,7 +118,7 @@ class EngineCore:
             memory = int(stats["bytes_limit"] * args.gpu_memory_utilization) - stats["bytes_in_use"]
         else:
             memory = args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
-        return num_blocks_for_memory(model, args.block_size, args.kv_cache_dtype, memory)
+        return num_blocks_for_memory(model, args.block_size, args.kv_cache_dtype, memory, args.attn_impl)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -28,6 +28,7 @@ from pallas_kernels import (
     PagedMetadata,
     addressable_blocks,
     kv_bytes_per_element,
+    paged_head_dim,
     paged_impl,
     tile_plan,
 )
@@ -66,12 +67,15 @@ def fit(n: int, options: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
 
 
-def num_blocks_for_memory(model: LlamaModel, block_size: int, kv_dtype: str, memory_bytes: int) -> int:
+def num_blocks_for_memory(
+    model: LlamaModel, block_size: int, kv_dtype: str, memory_bytes: int, attn_impl: str | None = None
+) -> int:
     cfg = model.cfg
     dtype = "int8" if kv_dtype == "int8" else cfg.dtype
-    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_element(dtype, cfg.head_dim)
+    d = paged_head_dim(cfg.head_dim, paged_impl(attn_impl))
+    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes_per_element(dtype, d)
     num_blocks = int(memory_bytes // (per_block * block_size))
-    block_elements = block_size * cfg.num_kv_heads * cfg.head_dim
+    block_elements = block_size * cfg.num_kv_heads * d
     return addressable_blocks(num_blocks, block_elements, jnp.dtype(dtype).itemsize)
 
 
@@ -236,7 +240,9 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         dtype = jnp.dtype(jnp.int8 if kv_cache_dtype == "int8" else cfg.dtype)
         self.caches = [
-            PagedKVCache.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+            PagedKVCache.zeros(
+                num_blocks, block_size, cfg.num_kv_heads, paged_head_dim(cfg.head_dim, paged_impl(attn_impl)), dtype
+            )
             for _ in range(cfg.num_layers)
         ]
         self.rules = get_rules("tp")

@@ -52,3 +52,49 @@ def test_chunked_prefill_and_decode_equal_dense(impl, kv_dtype):
     out, caches = _step(model, caches, [a[7:], b[5:]], [7, 5], tables)
     np.testing.assert_allclose(out[:4], dense_a[7:], atol=tol)
     np.testing.assert_allclose(out[4], dense_b[5], atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_engine_serves_head_dims_that_are_not_powers_of_two(head_dim):
+    """The Pallas path keeps pools padded to a power-of-two head dim: greedy tokens equal the
+    reference implementation's on unpadded pools."""
+    from flax import nnx
+
+    from jaxinfra.config import ModelConfig
+    from jaxinfra.models import LlamaModel
+    from pallas_kernels import paged_head_dim
+    from serve import EngineArgs, LLMEngine, SamplingParams
+
+    assert paged_head_dim(head_dim, "pallas") == 128 and paged_head_dim(head_dim, "reference") == head_dim
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    model = LlamaModel(cfg, nnx.Rngs(0))
+    outputs = {}
+    for impl in ("pallas", "reference"):
+        args = EngineArgs(
+            block_size=8,
+            max_model_len=64,
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            num_gpu_blocks_override=16,
+            attn_impl=impl,
+            compilation_cache_dir="",
+        )
+        eng = LLMEngine(model, None, args)
+        assert eng.core.runner.caches[0].k.shape[-1] == paged_head_dim(head_dim, impl)
+        for i, prompt in enumerate(([3, 9, 27, 81, 5], [7, 1])):
+            eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        outputs[impl] = done
+    assert outputs["pallas"] == outputs["reference"]

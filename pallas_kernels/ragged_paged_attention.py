@@ -122,13 +122,13 @@ def addressable_blocks(num_blocks: int, block_elements: int, itemsize: int) -> i
 def check_addressable(pool: jax.Array | jax.ShapeDtypeStruct) -> None:
     """Refuse a pool Triton would mis-address (see MAX_I32_ELEMENTS): 1-byte elements, more than
     2^31 of them, at most 2^32 bytes."""
-    size, nbytes = math.prod(pool.shape), math.prod(pool.shape) * jnp.dtype(pool.dtype).itemsize
-    if size > MAX_I32_ELEMENTS and nbytes <= 2**32:
-        per_block = size // pool.shape[0]
+    num_blocks, per_block, itemsize = pool.shape[0], math.prod(pool.shape[1:]), jnp.dtype(pool.dtype).itemsize
+    limit = addressable_blocks(num_blocks, per_block, itemsize)
+    if limit < num_blocks:
         raise ValueError(
-            f"a {pool.dtype} KV pool of {pool.shape[0]} blocks ({size} elements, {nbytes} bytes) would be "
-            f"addressed with 32-bit offsets past 2^31 on the GPU: use at most {MAX_I32_ELEMENTS // per_block} "
-            f"blocks, or more than {2**32 // (per_block * jnp.dtype(pool.dtype).itemsize)}"
+            f"a {pool.dtype} KV pool of {num_blocks} blocks ({num_blocks * per_block} elements) would be "
+            f"addressed with 32-bit offsets past 2^31 on the GPU: use at most {limit} blocks, or more than "
+            f"{2**32 // (per_block * itemsize)}"
         )
 
 

@@ -325,12 +325,7 @@ def build_app(
 
     def _tokenize(prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         try:
-            if isinstance(prompt, str) and engine.tokenizer is not None:
-                try:
-                    return engine.input_processor.tokenize(engine.tokenizer.encode(prompt, add_special_tokens))
-                except (UnicodeError, TypeError) as e:  # e.g. a lone surrogate
-                    raise ValueError(f"prompt is not valid text: {e}") from e
-            return engine.input_processor.tokenize(prompt)
+            return engine.input_processor.tokenize(prompt, add_special_tokens)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="prompt") from e
 

@@ -33,13 +33,13 @@ class InputProcessor:
         self.rng = np.random.default_rng(seed)
         self.grammar: GrammarCompiler | None = None
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompt token ids")
             try:
-                ids = self.tokenizer.encode(prompt)
+                ids = self.tokenizer.encode(prompt, add_special_tokens)
             except (UnicodeError, TypeError, ValueError) as e:  # e.g. a lone surrogate
                 raise ValueError(f"prompt is not valid text: {e}") from e
         elif isinstance(prompt, (list, tuple)):

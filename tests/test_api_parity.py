@@ -38,7 +38,8 @@ def test_echo_logprobs_equal_transformers(hf_server):
     prompt = np.random.default_rng(0).integers(3, 300, 17).tolist()
     expected = log_softmax(hf_logits(hf_model, np.array([prompt]))[0])
     for max_tokens in (0, 3):
-        r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1})
+        body = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1, "ignore_eos": True}
+        r = post(url, "/v1/completions", body)  # ignore_eos: a sampled EOS would end the answer early
         assert r.status_code == 200, r.text
         choice, usage = r.json()["choices"][0], r.json()["usage"]
         lp = choice["logprobs"]
@@ -70,7 +71,12 @@ def test_prompt_logprobs_and_token_ids_as_vllm_lays_them_out(hf_server):
     chat = post(
         url,
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_token_ids": True},
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
     ).json()
     assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 2
 

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.rope import apply_rope, inverse_frequencies
+from jaxinfra.quant.qlinear import Weight, linear
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
 from sharding import constrain
 
@@ -64,16 +65,22 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, "head_dim", dt)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, "head_dim", dt)
 
-    def __call__(
+    q_proj: Weight
+    k_proj: Weight
+    v_proj: Weight
+    o_proj: Weight
+
+    def heads(
         self,
         x: Float[Array, "B T E"],
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
-    ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
-        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
-        k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...])
-        v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...])
+    ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
+        """Per-head attention output, before the output projection (what o_proj sees)."""
+        q = linear("bte,ehd->bthd", x, self.q_proj)
+        k = linear("bte,ehd->bthd", x, self.k_proj)
+        v = linear("bte,ehd->bthd", x, self.v_proj)
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.cfg.qk_norm:
@@ -92,7 +99,17 @@ class Attention(nnx.Module):
             logit_softcap=self.cfg.attn_logit_softcap,
             impl=self.attn_impl,
         )
-        y = jnp.einsum("bthd,hde->bte", out, self.o_proj[...])
+        return out, cache
+
+    def __call__(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        metadata: AttentionMetadata,
+        cache: KVCache | PagedKVCache | None,
+    ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
+        out, cache = self.heads(x, positions, metadata, cache)
+        y = linear("bthd,hde->bte", out, self.o_proj)
         if self.cfg.o_bias:
             y = y + self.o_bias[...]
         return y, cache
@@ -107,10 +124,17 @@ class MLP(nnx.Module):
         self.up_proj = _param(rngs, (e, m), ("embed", "mlp"), std, dt)
         self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), std, dt)
 
+    gate_proj: Weight
+    up_proj: Weight
+    down_proj: Weight
+
+    def hidden(self, x: Float[Array, "B T E"]) -> Float[Array, "B T M"]:
+        """silu(gate(x)) * up(x): what down_proj sees."""
+        h = jax.nn.silu(linear("bte,em->btm", x, self.gate_proj)) * linear("bte,em->btm", x, self.up_proj)
+        return constrain(h, ("batch", "length", "mlp"))
+
     def __call__(self, x: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
-        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
-        h = constrain(h, ("batch", "length", "mlp"))
-        return h @ self.down_proj[...]
+        return linear("btm,me->bte", self.hidden(x), self.down_proj)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,149 @@
+"""Calibration data and the layer-by-layer walk every calibrated method runs.
+
+Only one decoder layer's activations exist at a time: the embeddings of the calibration rows go
+through layer 0, which the method rewrites (folding scales, replacing weights); its output, computed
+with the rewritten layer, feeds layer 1, and so on. A model bigger than memory then needs only its
+current layer on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxinfra.data import load_documents
+from jaxinfra.data.pipeline import document_tokens
+from jaxinfra.data.sources import split_documents
+from jaxinfra.models import LlamaModel
+from jaxinfra.models.llama import DecoderLayer
+from jaxinfra.quant.qlinear import QuantizedLinear
+from jaxinfra.tokenizer import Tokenizer
+
+DEFAULT_CALIBRATION = Path("data/kjv/kjv.txt")  # scripts/fetch_kjv.py; its training split (as the recipe's)
+KJV_VALID_FRACTION = 0.03  # configs/train/default_model.yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class InputGroup:
+    """Linears that read the same activations, and what produces those activations (a norm to fold
+    scales into, or a linear whose output channels can absorb them)."""
+
+    name: str
+    linears: tuple[str, ...]
+    norm: str | None = None
+    prev: str | None = None
+
+
+GROUPS = (
+    InputGroup("attn_in", ("attn.q_proj", "attn.k_proj", "attn.v_proj"), norm="input_norm"),
+    InputGroup("o_in", ("attn.o_proj",), prev="attn.v_proj"),
+    InputGroup("mlp_in", ("mlp.gate_proj", "mlp.up_proj"), norm="post_attn_norm"),
+    InputGroup("down_in", ("mlp.down_proj",), prev="mlp.up_proj"),
+)
+IN_DIMS = {"attn.o_proj": 2}  # input dims of each weight (others: 1)
+
+
+def get(layer: DecoderLayer, name: str) -> nnx.Param | QuantizedLinear:
+    module, attr = name.split(".")
+    return getattr(getattr(layer, module), attr)
+
+
+def put(layer: DecoderLayer, name: str, value: QuantizedLinear) -> None:
+    module, attr = name.split(".")
+    setattr(getattr(layer, module), attr, value)
+
+
+def shapes(layer: DecoderLayer, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(input dims, output dims) of a dense weight."""
+    shape = get(layer, name).shape
+    n_in = IN_DIMS.get(name, 1)
+    return tuple(shape[:n_in]), tuple(shape[n_in:])
+
+
+def matrix(layer: DecoderLayer, name: str) -> jax.Array:
+    """The dense weight as a float32 [K, N] matrix."""
+    w = get(layer, name)
+    if isinstance(w, QuantizedLinear):
+        raise ValueError(f"{name} is already quantized")
+    k_dims, _ = shapes(layer, name)
+    return w[...].astype(jnp.float32).reshape(int(np.prod(k_dims)), -1)
+
+
+def set_matrix(layer: DecoderLayer, name: str, w: jax.Array) -> None:
+    param = get(layer, name)
+    param[...] = w.reshape(param.shape).astype(param.dtype)
+
+
+def calibration_documents(path: str | Path | None) -> list[str]:
+    """Documents of a text/JSONL file (or directory); by default the KJV training split."""
+    if path is None:
+        if not DEFAULT_CALIBRATION.is_file():
+            raise ValueError(
+                f"calibration: the default KJV corpus {DEFAULT_CALIBRATION} is missing "
+                "(python scripts/fetch_kjv.py), or pass a text/JSONL file"
+            )
+        return split_documents(load_documents([DEFAULT_CALIBRATION]), KJV_VALID_FRACTION)[0]
+    if not Path(path).exists():
+        raise ValueError(f"calibration: {path} does not exist")
+    return load_documents([path])
+
+
+def calibration_rows(
+    docs: list[str], tokenizer: Tokenizer, num_samples: int, seq_len: int, seed: int = 0
+) -> np.ndarray:
+    """`num_samples` windows of `seq_len` tokens from the documents joined end to end (a seeded choice)."""
+    stream: list[int] = []
+    for doc in docs:
+        stream += document_tokens(tokenizer, doc)
+        if len(stream) >= num_samples * seq_len * 4:
+            break
+    windows = len(stream) // seq_len
+    if windows == 0:
+        raise ValueError(f"calibration: the data holds {len(stream)} tokens, fewer than seq_len={seq_len}")
+    picks = np.random.default_rng(seed).permutation(windows)[:num_samples]
+    return np.stack([stream[i * seq_len : (i + 1) * seq_len] for i in sorted(picks)]).astype(np.int32)
+
+
+@nnx.jit
+def _captures(layer: DecoderLayer, x: jax.Array, positions: jax.Array) -> dict[str, jax.Array]:
+    """The input of every linear group of `layer` for hidden states x, flattened to [tokens, K]."""
+    from pallas_kernels import DenseMetadata
+
+    attn_in = layer.input_norm(x)
+    heads, _ = layer.attn.heads(attn_in, positions, DenseMetadata(), None)
+    h = x + layer.attn(attn_in, positions, DenseMetadata(), None)[0]
+    mlp_in = layer.post_attn_norm(h)
+    flat = lambda a: a.reshape(-1, int(np.prod(a.shape[2:]))).astype(jnp.float32)
+    return {
+        "attn_in": flat(attn_in),
+        "o_in": flat(heads),
+        "mlp_in": flat(mlp_in),
+        "down_in": flat(layer.mlp.hidden(mlp_in)),
+    }
+
+
+@nnx.jit
+def _forward(layer: DecoderLayer, x: jax.Array, positions: jax.Array) -> jax.Array:
+    from pallas_kernels import DenseMetadata
+
+    return layer(x, positions, DenseMetadata(), None)[0]
+
+
+LayerFn = Callable[[DecoderLayer, Callable[[], dict[str, jax.Array]]], None]
+
+
+def walk_layers(model: LlamaModel, rows: np.ndarray, fn: LayerFn, *, desc: str) -> None:
+    """Call fn(layer, capture) for each layer in order; capture() gives the current inputs of its linears."""
+    tokens = jnp.asarray(rows)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = jnp.take(model.embed[...], tokens, axis=0)
+    for layer in tqdm(model.layers, desc=desc, unit="layer"):
+        fn(layer, lambda layer=layer, x=x: _captures(layer, x, positions))
+        x = _forward(layer, x, positions)

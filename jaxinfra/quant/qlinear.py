@@ -1,0 +1,113 @@
+"""Quantized linear layers: the stored form of a quantized weight and the one `linear` the model calls.
+
+A model weight keeps its logical shape (e.g. q_proj [E, H, D]); quantized, it is a [K, N] matrix over
+the flattened input and output dims (K = E, N = H * D), in the layout of
+pallas_kernels.quant_matmul_reference. The model calls `linear(spec, x, w)` for every projection:
+an einsum for a dense nnx.Param, the quantized matmul (Pallas on GPU, dequantize + dot elsewhere)
+for a QuantizedLinear.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from pallas_kernels.dispatch import default_impl
+from pallas_kernels.quant_matmul import int8_matmul, weight_only_matmul
+from pallas_kernels.quant_matmul_reference import (
+    dequantize_weight,
+    int8_matmul_reference,
+    quantize_activations,
+    weight_only_matmul_reference,
+)
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)  # int4 groups the kernels take (per-channel int4 is stored as 128-row groups)
+
+
+class QuantParam(nnx.Variable):
+    """An array of a quantized weight (packed values, scales, zero points, row order): not trained."""
+
+
+class QuantizedLinear(nnx.Module):
+    """y = x @ W for a quantized W [K, N]; `act_bits=8` also quantizes activations per token (W8A8).
+
+    `perm` (GPTQ act-order) lists, for each stored row, the input feature it belongs to."""
+
+    def __init__(
+        self,
+        qweight: jax.Array,
+        scales: jax.Array,
+        zeros: jax.Array | None,
+        *,
+        bits: int,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        act_bits: int | None = None,
+        perm: jax.Array | None = None,
+        impl: str | None = None,
+    ) -> None:
+        if bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {bits}")
+        if act_bits not in (None, 8) or (act_bits == 8 and (bits != 8 or zeros is not None or scales.shape[0] != 1)):
+            raise ValueError("act_bits=8 (W8A8) needs symmetric per-channel int8 weights")
+        k, n = math.prod(in_shape), math.prod(out_shape)
+        rows = qweight.shape[0] * (2 if bits == 4 else 1)
+        if (rows, qweight.shape[1]) != (k, n):
+            raise ValueError(f"{bits}-bit weight of stored shape {qweight.shape} does not cover [{k}, {n}]")
+        self.qweight = QuantParam(qweight)
+        self.scales = QuantParam(scales)
+        self.zeros = None if zeros is None else QuantParam(zeros)
+        self.perm = None if perm is None else QuantParam(perm.astype(jnp.int32))
+        self.bits = bits
+        self.act_bits = act_bits
+        self.in_shape = tuple(in_shape)
+        self.out_shape = tuple(out_shape)
+        self.impl = impl
+
+    @property
+    def group_size(self) -> int:
+        return math.prod(self.in_shape) // self.scales.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.qweight, self.scales, self.zeros, self.perm]
+        return sum(a[...].nbytes for a in arrays if a is not None)
+
+    def dequantize(self, dtype: jnp.dtype = jnp.float32) -> Float[Array, "K N"]:
+        """The dense [K, N] weight in the original input order."""
+        zeros = None if self.zeros is None else self.zeros[...]
+        w = dequantize_weight(self.qweight[...], self.scales[...], zeros, bits=self.bits, dtype=dtype)
+        if self.perm is None:
+            return w
+        return jnp.zeros_like(w).at[self.perm[...]].set(w)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[: x.ndim - len(self.in_shape)]
+        x2 = x.reshape(-1, math.prod(self.in_shape))
+        if self.perm is not None:
+            x2 = jnp.take(x2, self.perm[...], axis=1)
+        pallas = (self.impl or default_impl()) == "pallas"
+        if self.act_bits == 8:
+            xq, xs = quantize_activations(x2)
+            matmul = int8_matmul if pallas else int8_matmul_reference
+            y = matmul(xq, xs, self.qweight[...], self.scales[...][0], out_dtype=x.dtype)
+        else:
+            zeros = None if self.zeros is None else self.zeros[...]
+            wo_matmul = weight_only_matmul if pallas else weight_only_matmul_reference
+            y = wo_matmul(x2, self.qweight[...], self.scales[...], zeros, bits=self.bits)
+        return y.reshape(*lead, *self.out_shape)
+
+
+Weight = nnx.Param | QuantizedLinear
+
+
+def linear(spec: str, x: jax.Array, w: Weight) -> jax.Array:
+    """A projection: `jnp.einsum(spec, x, w)` for a dense weight, the quantized matmul otherwise."""
+    if isinstance(w, QuantizedLinear):
+        return w(x)
+    return jnp.einsum(spec, x, w[...])

@@ -1,0 +1,134 @@
+"""`quantize_model`: one entry for RTN, AWQ, GPTQ and SmoothQuant, with every argument checked before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfra.models import LlamaModel
+from jaxinfra.models.llama import DecoderLayer
+from jaxinfra.quant import calibration as cal
+from jaxinfra.quant.awq import awq_layer
+from jaxinfra.quant.gptq import gptq, hessian
+from jaxinfra.quant.qlinear import BITS
+from jaxinfra.quant.rtn import QuantScheme, rtn, to_linear
+from jaxinfra.quant.smoothquant import smooth_layer
+from jaxinfra.tokenizer import Tokenizer
+
+METHODS = ("rtn", "awq", "gptq", "smoothquant")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """What `jaxinfra quantize` runs (configs/quant/*.yaml; CLI flags override).
+
+    group_size 0 means one scale per output channel. calibration None = the KJV training split."""
+
+    method: str = "rtn"
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    calibration: str | None = None
+    num_samples: int = 64
+    seq_len: int = 256
+    seed: int = 0
+    smoothquant_alpha: float = 0.5
+    gptq_damp: float = 0.01
+    gptq_act_order: bool = False
+    awq_grid: int = 20
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {self.bits!r}")
+        if self.method == "smoothquant" and (self.bits != 8 or self.group_size or not self.symmetric):
+            raise ValueError("method smoothquant is W8A8: bits=8, group_size=0 (per channel), symmetric")
+        for name in ("num_samples", "seq_len", "awq_grid"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not 0 <= self.smoothquant_alpha <= 1:
+            raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+        if not 0 < self.gptq_damp < 1:
+            raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
+        if self.calibration is not None and not Path(self.calibration).exists():
+            raise ValueError(f"calibration: {self.calibration} does not exist")
+        self.scheme()  # group size and symmetry checks
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method != "rtn"
+
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(
+            bits=self.bits,
+            group_size=self.group_size or None,
+            symmetric=self.symmetric,
+            act_bits=8 if self.method == "smoothquant" else None,
+        )
+
+
+def check(model: LlamaModel, cfg: QuantizeConfig) -> None:
+    """Every linear's width fits the scheme, and the calibration data exists (before any work)."""
+    scheme = cfg.scheme()
+    for group in cal.GROUPS:
+        for name in group.linears:
+            k_dims, _ = cal.shapes(model.layers[0], name)
+            scheme.check_width(int(np.prod(k_dims)), name)
+    if cfg.calibrated and cfg.calibration is None and not cal.DEFAULT_CALIBRATION.is_file():
+        cal.calibration_documents(None)  # raises with how to get the default corpus
+
+
+def _replace(layer: DecoderLayer, name: str, q, scale, zero, scheme: QuantScheme, perm=None) -> None:
+    in_shape, out_shape = cal.shapes(layer, name)
+    dtype = jnp.dtype(layer.attn.cfg.dtype)
+    cal.put(
+        layer, name, to_linear(q, scale, zero, scheme, in_shape=in_shape, out_shape=out_shape, dtype=dtype, perm=perm)
+    )
+
+
+def _names() -> list[str]:
+    return [name for group in cal.GROUPS for name in group.linears]
+
+
+def quantize_model(model: LlamaModel, tokenizer: Tokenizer, cfg: QuantizeConfig) -> LlamaModel:
+    """Quantize every decoder linear in place (embeddings and LM head stay in the model's dtype)."""
+    check(model, cfg)
+    scheme = cfg.scheme()
+    if not cfg.calibrated:
+        for layer in model.layers:
+            for name in _names():
+                _replace(layer, name, *rtn(cal.matrix(layer, name), scheme), scheme)
+        return model
+    seq_len = min(cfg.seq_len, model.cfg.max_position_embeddings)
+    docs = cal.calibration_documents(cfg.calibration)
+    rows = cal.calibration_rows(docs, tokenizer, cfg.num_samples, seq_len, cfg.seed)
+
+    def awq(layer: DecoderLayer, capture) -> None:
+        ratios = awq_layer(layer, capture, scheme)
+        for name in _names():
+            _replace(layer, name, *rtn(cal.matrix(layer, name), scheme, ratios.get(name)), scheme)
+
+    def run_gptq(layer: DecoderLayer, capture) -> None:
+        for group in cal.GROUPS:  # sequential: each group sees the inputs the quantized ones before it give
+            h = hessian(capture()[group.name])
+            for name in group.linears:
+                q, scale, zero, perm = gptq(
+                    cal.matrix(layer, name), h, scheme, damp=cfg.gptq_damp, act_order=cfg.gptq_act_order
+                )
+                keep = cfg.gptq_act_order and scheme.group_size is not None
+                if cfg.gptq_act_order and not keep:  # one scale per channel: row order does not matter
+                    q = q[jnp.argsort(perm)]
+                _replace(layer, name, q, scale, zero, scheme, perm if keep else None)
+
+    def smoothquant(layer: DecoderLayer, capture) -> None:
+        smooth_layer(layer, capture, cfg.smoothquant_alpha)
+        for name in _names():
+            _replace(layer, name, *rtn(cal.matrix(layer, name), scheme), scheme)
+
+    fn = {"awq": awq, "gptq": run_gptq, "smoothquant": smoothquant}[cfg.method]
+    cal.walk_layers(model, rows, fn, desc=f"{cfg.method} {cfg.bits}-bit")
+    return model

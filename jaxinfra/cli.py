@@ -1,4 +1,4 @@
-"""The `jaxinfra` command line: serve, generate, train, convert, info, plan-train."""
+"""The `jaxinfra` command line: serve, generate, train, convert, quantize, info, plan-train."""
 
 from __future__ import annotations
 
@@ -87,6 +87,47 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         load_tokenizer(args.model).save(out)
     print(f"wrote {out}")
+    return 0
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jaxinfra.checkpoint import export_hf
+    from jaxinfra.loading import load_config, load_model, load_tokenizer
+    from jaxinfra.quant import calibration
+    from jaxinfra.quant.quantize import check, check_format, load_quantize_config, quantize_model
+
+    flags = {
+        "method": args.method,
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "symmetric": False if args.asymmetric else None,
+        "calibration": args.calibration,
+        "num_samples": args.num_samples,
+        "seq_len": args.seq_len,
+        "gptq_act_order": True if args.act_order else None,
+    }
+    cfg = load_quantize_config(args.config, {k: v for k, v in flags.items() if v is not None}, args.overrides)
+    check_format(cfg, args.format)
+    check(load_config(args.model), cfg)  # before any weight is read
+    if cfg.calibrated:
+        calibration.calibration_documents(cfg.calibration)
+    model = load_model(args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    quantize_model(model, tokenizer, cfg)
+    out = export_hf(
+        model,
+        args.out,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_size,
+        tokenizer_dir=args.model if Path(args.model).is_dir() else None,
+        quant_format=args.format,
+    )
+    if not Path(args.model).is_dir():
+        tokenizer.save(out)
+    size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
+    print(f"wrote {out} ({cfg.method}, {cfg.bits}-bit, {args.format}; {_human(size)} of safetensors)")
     return 0
 
 
@@ -187,6 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--microbatches", type=int, default=1)
     plan.add_argument("--devices", type=int, default=None, help="virtual CPU devices to plan for (CPU only)")
     plan.set_defaults(func=_cmd_plan_train)
+
+    qz = sub.add_parser("quantize", help="quantize a model (RTN, AWQ, GPTQ, SmoothQuant) into a checkpoint vLLM reads")
+    qz.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    qz.add_argument("--out", required=True, help="output directory")
+    qz.add_argument("--config", default=None, help="YAML (configs/quant/*.yaml); flags and overrides win")
+    qz.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gptq_damp=0.05 awq_grid=10")
+    qz.add_argument("--method", choices=("rtn", "awq", "gptq", "smoothquant"), default=None)
+    qz.add_argument("--bits", type=int, default=None, help="8 or 4 (default 4; smoothquant: 8)")
+    qz.add_argument("--group-size", type=int, default=None, help="32, 64, 128 (default) or 0 = per channel")
+    qz.add_argument("--asymmetric", action="store_true", help="int4 with zero points")
+    qz.add_argument("--act-order", action="store_true", help="GPTQ: rows by decreasing Hessian diagonal")
+    qz.add_argument("--calibration", default=None, help="text/JSONL file or directory (default: KJV train split)")
+    qz.add_argument("--num-samples", type=int, default=None, help="calibration rows (default 64)")
+    qz.add_argument("--seq-len", type=int, default=None, help="tokens per calibration row (default 256)")
+    qz.add_argument("--format", choices=("compressed-tensors", "awq", "gptq"), default="compressed-tensors")
+    qz.add_argument("--dtype", choices=dtypes, default=None, help="dtype of the unquantized tensors and scales")
+    qz.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"))
+    qz.set_defaults(func=_cmd_quantize)
 
     info = sub.add_parser("info", help="parameter count, weight bytes and KV-cache bytes per token")
     info.add_argument("--model", default=DEFAULT_MODEL, help=model_help)

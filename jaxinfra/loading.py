@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,18 @@ from jaxinfra.checkpoint import load_hf_model, restore_params
 from jaxinfra.checkpoint.hf import abstract_model
 from jaxinfra.config import DTYPES, ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
+from jaxinfra.quant.formats import QUANT_METHODS
 from jaxinfra.tokenizer import Tokenizer
 
 # A 4.5M-parameter Llama trained by this stack on the King James Bible (scripts/build_default_model.py).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEFAULT_MODEL = str(DEFAULT_MODEL_DIR)
 DEFAULT_MODEL_NAME = "kjv-small"  # the id `jaxinfra serve` gives it
+ON_THE_FLY: dict[str, dict[str, Any]] = {
+    "int8": {"method": "rtn", "bits": 8, "group_size": 0},
+    "int4": {"method": "rtn", "bits": 4},
+}
+QUANTIZATION_CHOICES = (*QUANT_METHODS, *ON_THE_FLY)
 
 
 def _resolve(path_or_preset: str | Path) -> Path | str:
@@ -50,20 +57,49 @@ def dtype_name(dtype: Any) -> str | None:
 
 
 def load_model(
-    path_or_preset: str | Path = DEFAULT_MODEL, dtype: Any = None, *, attn_impl: str | None = None, seed: int = 0
+    path_or_preset: str | Path = DEFAULT_MODEL,
+    dtype: Any = None,
+    *,
+    attn_impl: str | None = None,
+    seed: int = 0,
+    quantization: str | None = None,
 ) -> LlamaModel:
-    """Weights from a local HF directory, or random-init (seeded) weights for a preset. `dtype` is a
-    name ("bfloat16") or a dtype (jnp.bfloat16, np.float32); None keeps the checkpoint's."""
+    """Weights from a local HF directory (quantized ones included), or random-init (seeded) weights for
+    a preset. `dtype` is a name ("bfloat16") or a dtype (jnp.bfloat16, np.float32); None keeps the
+    checkpoint's. `quantization` (vLLM's flag): the checkpoint's method, checked, or int8 / int4 to
+    round a dense model's linears to W8A16 / W4A16 (group 128) as it loads."""
+    if quantization is not None and quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} or None, got {quantization!r}")
     dtype = dtype_name(dtype)
     where = _resolve(path_or_preset)
+    stored = checkpoint_quantization(where) if isinstance(where, Path) else None
+    if quantization in QUANT_METHODS and quantization != stored:
+        raise ValueError(f"quantization={quantization!r}, but {path_or_preset} is {stored or 'not quantized'}")
+    if quantization in ON_THE_FLY and stored is not None:
+        raise ValueError(f"quantization={quantization!r} rounds a dense model; {path_or_preset} is already {stored}")
     if is_run_dir(Path(path_or_preset)):
-        return _load_run(Path(path_or_preset), dtype, attn_impl)
-    if isinstance(where, Path):
-        return load_hf_model(where, dtype=dtype, attn_impl=attn_impl)
-    cfg = ModelConfig.from_preset(where)
-    if dtype is not None:
-        cfg = cfg.replace(dtype=dtype)
-    return LlamaModel(cfg, nnx.Rngs(seed), attn_impl)
+        model = _load_run(Path(path_or_preset), dtype, attn_impl)
+    elif isinstance(where, Path):
+        model = load_hf_model(where, dtype=dtype, attn_impl=attn_impl)
+    else:
+        cfg = ModelConfig.from_preset(where)
+        if dtype is not None:
+            cfg = cfg.replace(dtype=dtype)
+        model = LlamaModel(cfg, nnx.Rngs(seed), attn_impl)
+    if quantization in ON_THE_FLY:
+        from jaxinfra.quant.quantize import QuantizeConfig, quantize_model
+
+        quantize_model(model, None, QuantizeConfig(**ON_THE_FLY[quantization]))
+    return model
+
+
+def checkpoint_quantization(directory: Path) -> str | None:
+    """The quant_method of a HF directory's quantization_config (None when dense)."""
+    config = directory / "config.json"
+    if not config.is_file():
+        return None
+    qcfg = json.loads(config.read_text()).get("quantization_config")
+    return None if qcfg is None else qcfg.get("quant_method")
 
 
 def load_tokenizer(path_or_preset: str | Path = DEFAULT_MODEL) -> Tokenizer:

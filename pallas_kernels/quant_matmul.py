@@ -110,7 +110,7 @@ def weight_only_matmul(
     _check(m, n, k, tiles)
     per_channel = scales.shape[0] == 1 and bits == 8
     step = tiles.block_k if per_channel else group
-    if step % 32 and bits == 4 or step % 16:
+    if (step % 32 and bits == 4) or step % 16:
         raise ValueError(f"group size {group} is too small for the kernel (int4 needs >= 32, int8 >= 16)")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     xp = _pad_rows(x, tiles.block_m)

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME, QUANTIZATION_CHOICES
 from serve.async_engine import AsyncEngine
 from serve.config import EngineArgs
 from serve.core_client import EngineDeadError
@@ -676,6 +676,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
     p.add_argument("--dtype", default=None)
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_CHOICES,
+        default=None,
+        help="the checkpoint's quantization method (default: read from its config.json), or int8 / int4 "
+        "to round a dense model's linears as it loads (W8A16, W4A16 group 128)",
+    )
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool off GPU")
     p.add_argument(
         "--num-scheduler-steps",
@@ -711,6 +719,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
             max_num_batched_tokens=args.max_num_batched_tokens,
             dtype=args.dtype,
             block_size=args.block_size,
+            quantization=args.quantization,
             kv_cache_memory=args.kv_cache_memory,
             num_scheduler_steps=args.num_scheduler_steps,
             compilation_cache_dir=args.compilation_cache_dir,

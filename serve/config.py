@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from jaxinfra.config import DTYPES as MODEL_DTYPES
-from jaxinfra.loading import DEFAULT_MODEL
+from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
 
 DTYPES = ("auto", *MODEL_DTYPES)
@@ -44,6 +44,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None  # bytes for the KV pool off GPU (default 256 MiB)
     kv_cache_dtype: str = "auto"  # auto | int8
+    quantization: str | None = None  # the checkpoint's method (checked), or int8 / int4 to round a dense model
     tensor_parallel_size: int = 1
     attn_impl: str | None = None  # pallas | xla | reference (default: pallas on GPU, xla elsewhere)
     async_scheduling: bool = True  # prepare step n+1 on the host while step n runs on the device
@@ -64,6 +65,8 @@ class EngineArgs:
             raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise bad("quantization", f"must be one of {', '.join(QUANTIZATION_CHOICES)} or None")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise bad("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.attn_impl is not None and self.attn_impl not in PAGED_IMPLS:

@@ -55,7 +55,11 @@ def build_core(args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool) -
     """Load the model and build (and optionally warm up) an EngineCore."""
     enable_compilation_cache(args.compilation_cache_dir)
     model = load_model(
-        args.model, dtype=None if args.dtype == "auto" else args.dtype, attn_impl=args.attn_impl, seed=args.seed
+        args.model,
+        dtype=None if args.dtype == "auto" else args.dtype,
+        attn_impl=args.attn_impl,
+        seed=args.seed,
+        quantization=args.quantization,
     )
     core = EngineCore(model, args, eos_token_ids)
     if warmup:

@@ -31,7 +31,11 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         enable_compilation_cache(args.compilation_cache_dir)
         model = load_model(
-            args.model, dtype=None if args.dtype == "auto" else args.dtype, attn_impl=args.attn_impl, seed=args.seed
+            args.model,
+            dtype=None if args.dtype == "auto" else args.dtype,
+            attn_impl=args.attn_impl,
+            seed=args.seed,
+            quantization=args.quantization,
         )
         return cls(model, load_tokenizer(args.tokenizer or args.model), args)
 

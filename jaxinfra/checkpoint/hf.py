@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
+from jaxinfra.quant.checkpoint import attach as attach_quantized
+from jaxinfra.quant.checkpoint import quantized_tensors
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -118,8 +120,11 @@ class _TensorReader:
 
 def abstract_model(cfg: ModelConfig, attn_impl: str | None) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graph and its state as shapes (nothing allocated), to be filled by a loader."""
-    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl))
-    return nnx.split(abstract)
+    return nnx.split(nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl)))
+
+
+def _hf_name(path: tuple) -> str:
+    return tensor_map(path).hf_name
 
 
 def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: str | None = None) -> LlamaModel:
@@ -130,10 +135,15 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
     cfg = ModelConfig.from_hf(directory / "config.json")
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    graphdef, state = abstract_model(cfg, attn_impl)
     reader = _TensorReader(directory)
-    flat = nnx.to_flat_state(state)
-    expected = {tensor_map(path).hf_name for path, _ in flat}
+    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl))
+    quantized: set[str] = set()
+    qcfg = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    if qcfg is not None:  # quantized linears are read now; the dense tensors below
+        quantized = attach_quantized(abstract, qcfg, reader.where.__contains__, reader.read, _hf_name, cfg.dtype)
+    graphdef, state = nnx.split(abstract)
+    flat = [(path, var) for path, var in nnx.to_flat_state(state) if isinstance(var, nnx.Param)]
+    expected = {tensor_map(path).hf_name for path, _ in flat} | quantized
     unexpected = sorted(
         n
         for n in reader.where
@@ -143,7 +153,7 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
     )
     if unexpected:
         raise ValueError(f"{directory}: unexpected tensor(s) for {cfg.model_type}: {unexpected[:8]}")
-    loaded = []
+    loaded = [(path, var) for path, var in nnx.to_flat_state(state) if not isinstance(var, nnx.Param)]
     for path, var in tqdm(flat, desc=f"loading {directory.name}", unit="tensor", leave=False):
         m = tensor_map(path)
         if m.hf_name not in reader.where:
@@ -158,6 +168,7 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
 
 
 def _hf_tensors(model: LlamaModel, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
+    """Dense parameters in HF names and layouts (quantized linears are written by jaxinfra.quant)."""
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         m = tensor_map(path)
         w = m.to_hf(np.asarray(var[...]))
@@ -171,14 +182,18 @@ def export_hf(
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
     tokenizer_dir: str | Path | None = None,
+    quant_format: str = "compressed-tensors",
 ) -> Path:
-    """Write config.json and model*.safetensors (sharded with an index past `max_shard_bytes`)."""
+    """Write config.json and model*.safetensors (sharded with an index past `max_shard_bytes`).
+
+    Quantized linears are written in `quant_format` (compressed-tensors, awq or gptq)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg.replace(dtype=dtype) if dtype else model.cfg
+    qtensors, qcfg = quantized_tensors(model, quant_format, _hf_name, jnp.dtype(dtype) if dtype else None)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, w in _hf_tensors(model, dtype):
+    for name, w in [*_hf_tensors(model, dtype), *qtensors]:
         if shards[-1] and size + w.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
@@ -196,8 +211,9 @@ def export_hf(
         total = sum(w.nbytes for shard in shards for w in shard.values())
         with open(out_dir / "model.safetensors.index.json", "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config = cfg.to_hf() if qcfg is None else {**cfg.to_hf(), "quantization_config": qcfg}
     with open(out_dir / "config.json", "w") as f:
-        json.dump(cfg.to_hf(), f, indent=2)
+        json.dump(hf_config, f, indent=2)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name

@@ -9,6 +9,7 @@ current layer on the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,24 +61,28 @@ def put(layer: DecoderLayer, name: str, value: QuantizedLinear) -> None:
     setattr(getattr(layer, module), attr, value)
 
 
+def dense(layer: DecoderLayer, name: str) -> nnx.Param:
+    w = get(layer, name)
+    if isinstance(w, QuantizedLinear):
+        raise ValueError(f"{name} is already quantized")
+    return w
+
+
 def shapes(layer: DecoderLayer, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(input dims, output dims) of a dense weight."""
-    shape = get(layer, name).shape
+    shape = dense(layer, name).shape
     n_in = IN_DIMS.get(name, 1)
     return tuple(shape[:n_in]), tuple(shape[n_in:])
 
 
 def matrix(layer: DecoderLayer, name: str) -> jax.Array:
     """The dense weight as a float32 [K, N] matrix."""
-    w = get(layer, name)
-    if isinstance(w, QuantizedLinear):
-        raise ValueError(f"{name} is already quantized")
     k_dims, _ = shapes(layer, name)
-    return w[...].astype(jnp.float32).reshape(int(np.prod(k_dims)), -1)
+    return dense(layer, name)[...].astype(jnp.float32).reshape(int(np.prod(k_dims)), -1)
 
 
 def set_matrix(layer: DecoderLayer, name: str, w: jax.Array) -> None:
-    param = get(layer, name)
+    param = dense(layer, name)
     param[...] = w.reshape(param.shape).astype(param.dtype)
 
 
@@ -145,5 +150,5 @@ def walk_layers(model: LlamaModel, rows: np.ndarray, fn: LayerFn, *, desc: str) 
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = jnp.take(model.embed[...], tokens, axis=0)
     for layer in tqdm(model.layers, desc=desc, unit="layer"):
-        fn(layer, lambda layer=layer, x=x: _captures(layer, x, positions))
+        fn(layer, functools.partial(_captures, layer, x, positions))
         x = _forward(layer, x, positions)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
+import yaml
 
+from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.llama import DecoderLayer
 from jaxinfra.quant import calibration as cal
@@ -17,6 +20,7 @@ from jaxinfra.quant.qlinear import BITS
 from jaxinfra.quant.rtn import QuantScheme, rtn, to_linear
 from jaxinfra.quant.smoothquant import smooth_layer
 from jaxinfra.tokenizer import Tokenizer
+from jaxinfra.yaml_config import apply_override, build_dataclass
 
 METHODS = ("rtn", "awq", "gptq", "smoothquant")
 
@@ -71,38 +75,70 @@ class QuantizeConfig:
         )
 
 
-def check(model: LlamaModel, cfg: QuantizeConfig) -> None:
+def load_quantize_config(
+    path: str | Path | None, flags: dict[str, Any] | None = None, overrides: Sequence[str] = ()
+) -> QuantizeConfig:
+    """A QuantizeConfig from YAML (configs/quant/*.yaml), then flags, then key=value overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ValueError(f"--config: {path} does not exist")
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    data.update(flags or {})
+    for o in overrides:
+        apply_override(data, o)
+    if data.get("method") == "smoothquant":  # W8A8's defaults
+        data.setdefault("bits", 8)
+        data.setdefault("group_size", 0)
+    return build_dataclass(QuantizeConfig, data)
+
+
+def check_format(cfg: QuantizeConfig, fmt: str) -> None:
+    """The checkpoint format can hold what the method makes."""
+    if fmt == "awq" and (cfg.bits != 4 or cfg.method == "smoothquant"):
+        raise ValueError("format awq holds 4-bit weight-only models (use compressed-tensors or gptq)")
+    if fmt == "gptq" and cfg.method == "smoothquant":
+        raise ValueError("format gptq holds weight-only models; W8A8 (smoothquant) needs compressed-tensors")
+
+
+def input_widths(model_cfg: ModelConfig) -> dict[str, int]:
+    """K of every decoder linear."""
+    e, attn, m = model_cfg.hidden_size, model_cfg.num_heads * model_cfg.head_dim, model_cfg.intermediate_size
+    widths = {name: e for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    return {**widths, "attn.o_proj": attn, "mlp.down_proj": m}
+
+
+def check(model_cfg: ModelConfig, cfg: QuantizeConfig) -> None:
     """Every linear's width fits the scheme, and the calibration data exists (before any work)."""
     scheme = cfg.scheme()
-    for group in cal.GROUPS:
-        for name in group.linears:
-            k_dims, _ = cal.shapes(model.layers[0], name)
-            scheme.check_width(int(np.prod(k_dims)), name)
+    for name, k in input_widths(model_cfg).items():
+        scheme.check_width(k, name)
     if cfg.calibrated and cfg.calibration is None and not cal.DEFAULT_CALIBRATION.is_file():
         cal.calibration_documents(None)  # raises with how to get the default corpus
 
 
-def _replace(layer: DecoderLayer, name: str, q, scale, zero, scheme: QuantScheme, perm=None) -> None:
+def _replace(layer: DecoderLayer, name: str, q, scale, zero, scheme: QuantScheme) -> None:
     in_shape, out_shape = cal.shapes(layer, name)
     dtype = jnp.dtype(layer.attn.cfg.dtype)
-    cal.put(
-        layer, name, to_linear(q, scale, zero, scheme, in_shape=in_shape, out_shape=out_shape, dtype=dtype, perm=perm)
-    )
+    cal.put(layer, name, to_linear(q, scale, zero, scheme, in_shape=in_shape, out_shape=out_shape, dtype=dtype))
 
 
 def _names() -> list[str]:
     return [name for group in cal.GROUPS for name in group.linears]
 
 
-def quantize_model(model: LlamaModel, tokenizer: Tokenizer, cfg: QuantizeConfig) -> LlamaModel:
-    """Quantize every decoder linear in place (embeddings and LM head stay in the model's dtype)."""
-    check(model, cfg)
+def quantize_model(model: LlamaModel, tokenizer: Tokenizer | None, cfg: QuantizeConfig) -> LlamaModel:
+    """Quantize every decoder linear in place (embeddings and LM head stay in the model's dtype).
+    The tokenizer reads the calibration text (RTN needs none)."""
+    check(model.cfg, cfg)
     scheme = cfg.scheme()
     if not cfg.calibrated:
         for layer in model.layers:
             for name in _names():
                 _replace(layer, name, *rtn(cal.matrix(layer, name), scheme), scheme)
         return model
+    if tokenizer is None:
+        raise ValueError(f"method {cfg.method} needs a tokenizer for its calibration data")
     seq_len = min(cfg.seq_len, model.cfg.max_position_embeddings)
     docs = cal.calibration_documents(cfg.calibration)
     rows = cal.calibration_rows(docs, tokenizer, cfg.num_samples, seq_len, cfg.seed)
@@ -116,13 +152,10 @@ def quantize_model(model: LlamaModel, tokenizer: Tokenizer, cfg: QuantizeConfig)
         for group in cal.GROUPS:  # sequential: each group sees the inputs the quantized ones before it give
             h = hessian(capture()[group.name])
             for name in group.linears:
-                q, scale, zero, perm = gptq(
+                q, scale, zero = gptq(
                     cal.matrix(layer, name), h, scheme, damp=cfg.gptq_damp, act_order=cfg.gptq_act_order
                 )
-                keep = cfg.gptq_act_order and scheme.group_size is not None
-                if cfg.gptq_act_order and not keep:  # one scale per channel: row order does not matter
-                    q = q[jnp.argsort(perm)]
-                _replace(layer, name, q, scale, zero, scheme, perm if keep else None)
+                _replace(layer, name, q, scale, zero, scheme)
 
     def smoothquant(layer: DecoderLayer, capture) -> None:
         smooth_layer(layer, capture, cfg.smoothquant_alpha)

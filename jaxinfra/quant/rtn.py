@@ -30,7 +30,8 @@ class QuantScheme:
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {self.bits}")
         if self.group_size is not None and self.group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES} or None (per channel), got {self.group_size}")
+            why = f"must be one of {GROUP_SIZES} or 0 / None (per channel)"
+            raise ValueError(f"group_size {why}, got {self.group_size}")
         if self.bits == 8 and not self.symmetric:
             raise ValueError("int8 weights are symmetric here (symmetric=False needs bits=4)")
         if self.act_bits not in (None, 8):

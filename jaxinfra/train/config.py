@@ -53,8 +53,6 @@ class RunConfig:
         return TrainConfig(self.optim, self.microbatches, self.remat, self.compute_dtype)
 
 
-
-
 def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """A RunConfig from YAML (or the defaults) plus overrides; optim.total_steps defaults to steps."""
     data: dict[str, Any] = {}

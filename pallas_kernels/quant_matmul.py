@@ -36,6 +36,8 @@ class MatmulTiles:
 
 def default_tiles(m: int, n: int, k: int) -> MatmulTiles:
     """Decode (M <= 16): thin rows, wide columns; prefill: 64- or 128-row tiles."""
+    if n % 16 or k % 16:
+        raise ValueError(f"the Pallas quantized matmul needs N and K multiples of 16, got N={n}, K={k}")
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
     block_n = next(b for b in (128, 64, 32, 16) if n % b == 0)
     block_k = next(b for b in (64, 32, 16) if k % b == 0)
@@ -46,8 +48,6 @@ def _check(m: int, n: int, k: int, tiles: MatmulTiles) -> None:
     for name, dim, block in (("N", n, tiles.block_n), ("K", k, tiles.block_k)):
         if dim % block:
             raise ValueError(f"{name}={dim} is not a multiple of the tile's {block}")
-    if n % 16 or k % 16:
-        raise ValueError(f"the Pallas quantized matmul needs N and K multiples of 16, got N={n}, K={k}")
 
 
 def _pad_rows(x: jax.Array, block_m: int) -> jax.Array:

@@ -132,14 +132,22 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import jax.numpy as jnp
 
-    from jaxinfra.loading import load_config
+    from jaxinfra.loading import checkpoint_quantization, load_config
 
     cfg = load_config(args.model)
     dtype = args.dtype or cfg.dtype
     width = jnp.dtype(dtype).itemsize
     n = cfg.num_params
+    method = checkpoint_quantization(Path(args.model)) if Path(args.model).is_dir() else None
+    if method is None:
+        weights = (f"weight bytes ({dtype})", f"{n * width:,} ({_human(n * width)})")
+    else:  # what the quantized checkpoint really holds (packed weights, scales, zero points, dense rest)
+        size = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
+        weights = (f"weight bytes ({method})", f"{size:,} ({_human(size)}, on disk)")
     rows = [
         ("model", str(args.model)),
         (
@@ -149,7 +157,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}",
         ),
         ("parameters", f"{n:,}"),
-        (f"weight bytes ({dtype})", f"{n * width:,} ({_human(n * width)})"),
+        ("quantization", method or "none"),
+        weights,
         (f"kv-cache bytes/token ({dtype})", f"{cfg.kv_bytes_per_token(width):,}"),
         ("max context", f"{cfg.max_position_embeddings:,}"),
     ]

@@ -45,8 +45,8 @@ def attach(
     dtype: Any,
 ) -> set[str]:
     """Replace each linear the checkpoint stores quantized (model may be abstract); returns their tensor names."""
+    names = formats.tensor_names(qcfg)  # refuses methods we cannot read
     reader = formats.READERS[qcfg["quant_method"]]
-    names = formats.tensor_names(qcfg)
     marker = _marker(qcfg)
     used: set[str] = set()
     for i, name, prefix in linear_prefixes(model.cfg.num_layers, hf_name):

@@ -283,6 +283,8 @@ def gptq_read(read: Callable[[str], np.ndarray], qcfg: dict[str, Any]) -> Neutra
 def gptq_write(n: Neutral) -> dict[str, np.ndarray]:
     if n.act_bits:
         raise ValueError("the gptq format holds weight-only linears")
+    if n.zeros is not None and np.any(n.zeros == 0):
+        raise ValueError("the gptq format (v1) cannot store a zero point of 0; use awq or compressed-tensors")
     u, zeros = (n.values + 128, np.full(n.scales.shape, 128)) if n.bits == 8 else (n.values, n.zero_grid)
     return {
         "qweight": pack_rows(u, n.bits),

@@ -99,6 +99,8 @@ def check_format(cfg: QuantizeConfig, fmt: str) -> None:
         raise ValueError("format awq holds 4-bit weight-only models (use compressed-tensors or gptq)")
     if fmt == "gptq" and cfg.method == "smoothquant":
         raise ValueError("format gptq holds weight-only models; W8A8 (smoothquant) needs compressed-tensors")
+    if fmt == "gptq" and not cfg.symmetric:
+        raise ValueError("format gptq stores zero points minus one (v1): use awq or compressed-tensors for zero points")
 
 
 def input_widths(model_cfg: ModelConfig) -> dict[str, int]:

@@ -133,4 +133,6 @@ def test_weight_only_matmul_is_jittable():
     q, s, z, _ = random_weight(rng, 64, 32, 4, 32, False)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
     f = jax.jit(lambda x: weight_only_matmul(x, q, s, z, bits=4, interpret=True))
-    np.testing.assert_allclose(np.asarray(f(x)), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=4)), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(f(x)), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=4)), atol=1e-5
+    )

@@ -14,9 +14,8 @@ from flax import nnx
 import jaxinfra
 from jaxinfra.checkpoint import export_hf
 from jaxinfra.loading import DEFAULT_MODEL
-from jaxinfra.quant import QuantizedLinear
+from jaxinfra.quant import QuantizedLinear, formats
 from jaxinfra.quant import calibration as cal
-from jaxinfra.quant import formats
 from jaxinfra.quant.quantize import QuantizeConfig, quantize_model
 from serve import LLM, SamplingParams
 

@@ -31,6 +31,7 @@ from jax._src.lib.triton import dialect as tt_dialect
 from tqdm import tqdm
 
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.quant_matmul import int8_matmul, weight_only_matmul
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 SM90_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
@@ -170,11 +171,11 @@ class PagedShape:
         seqs, pages = 8, 64
         tokens = seqs if self.mode == "decode" else 512
         h, kh, d = self.kv_heads * self.gqa, self.kv_heads, self.head_dim
-        pool_dtype = jnp.int8 if self.kv == "int8" else jnp.bfloat16
+        pool_dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(self.kv, jnp.bfloat16)
         pool = S((seqs * pages, self.block_size, kh, d), pool_dtype)
         out = [S((tokens, h, d), jnp.bfloat16), pool, pool, S((seqs, pages), jnp.int32)]
         out += [S((seqs + 1,), jnp.int32), S((seqs,), jnp.int32)]
-        if self.kv == "int8":
+        if self.kv != "bf16":
             out += [S(pool.shape[:3], jnp.float32)] * 2
         return tuple(out)
 
@@ -194,9 +195,10 @@ def paged_shapes(quick: bool) -> Iterator[PagedShape]:
         for d, gqa, mode in itertools.product((64, 128), (1, 4, 8), ("decode", "prefill")):
             yield PagedShape(d, gqa, 16, "bf16", mode)
         yield PagedShape(128, 4, 16, "int8", "decode")
+        yield PagedShape(128, 4, 16, "fp8", "decode")
         return
     for d, gqa, bs, kv, mode in itertools.product(
-        (64, 128, 256), (1, 4, 8), (16, 32, 64), ("bf16", "int8"), ("decode", "prefill")
+        (64, 128, 256), (1, 4, 8), (16, 32, 64), ("bf16", "int8", "fp8"), ("decode", "prefill")
     ):
         yield PagedShape(d, gqa, bs, kv, mode)
 
@@ -214,9 +216,36 @@ def flash_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], tuple[S
         yield f"backward d{d} gqa4 T2048", grad, (q, kv, kv)
 
 
+def quant_matmul_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], tuple[S, ...]]]:
+    """W4A16 (group 128, zero points), W8A16 (per channel) and W8A8 at decode and prefill M, on
+    Llama-8B's q/o (4096 x 4096) and MLP down (14336 -> 4096) shapes."""
+    layers = [(4096, 4096)] if quick else [(4096, 4096), (14336, 4096), (4096, 14336)]
+    for (k, n), m in itertools.product(layers, (1, 256) if quick else (1, 16, 64, 256)):
+        x = S((m, k), jnp.bfloat16)
+        w4 = (S((k // 2, n), jnp.uint8), S((k // 128, n), jnp.bfloat16), S((k // 128, n), jnp.uint8))
+        yield (
+            f"w4a16 g128 M{m} K{k} N{n}",
+            functools.partial(weight_only_matmul, bits=4, interpret=False),
+            (x, *w4),
+        )
+        w8 = (S((k, n), jnp.int8), S((1, n), jnp.bfloat16))
+        yield (
+            f"w8a16 M{m} K{k} N{n}",
+            functools.partial(weight_only_matmul, zeros=None, bits=8, interpret=False),
+            (x, *w8),
+        )
+        a8 = (S((m, k), jnp.int8), S((m,), jnp.float32), S((k, n), jnp.int8), S((n,), jnp.float32))
+        yield (
+            f"w8a8 M{m} K{k} N{n}",
+            functools.partial(int8_matmul, out_dtype=jnp.bfloat16, interpret=False),
+            a8,
+        )
+
+
 def report(quick: bool) -> list[KernelStats]:
     jobs: list[tuple[str, Callable[..., Any], tuple[S, ...]]] = list(flash_shapes(quick))
     jobs += [(str(p), p.fn(), p.args()) for p in paged_shapes(quick)]
+    jobs += list(quant_matmul_shapes(quick))
     rows = []
     for shape, fn, args in tqdm(jobs, desc="lowering + compiling for sm_90a", unit="shape"):
         for kernel in triton_kernels(fn, *args):

@@ -4,7 +4,7 @@ jnp gather reference, in one run.
 GPU:   python -m benchmarks.paged_attention --out benchmarks/out
 CPU smoke (interpret mode, tiny shapes): python -m benchmarks.paged_attention --quick
 Decode: achieved GB/s (K/V bytes read / time) against the measured copy bandwidth, per batch size,
-context, block size and KV dtype (bf16, int8), for our kernel as the serving step calls it (the
+context, block size and KV dtype (bf16, int8, fp8 e4m3), for our kernel as the serving step calls it (the
 dispatcher's ragged entry). Ragged prefill: TFLOP/s for chunks over a context. Every input is a jit
 argument prepared before timing (the shipped baseline gets its pools already transposed), times are
 taken on the device (calls chained in one jitted loop), and each row is saved and printed as it ends.
@@ -41,15 +41,16 @@ def _pools(num_seqs: int, context: int, bs: int, d: int, kv: str, seed: int = 0)
     v = jax.random.normal(ks[1], (nb, bs, KH, d), jnp.bfloat16)
     tables = jax.random.permutation(ks[2], nb).reshape(num_seqs, pages).astype(jnp.int32)
     scales = {}
-    if kv == "int8":
-        (k, ksc), (v, vsc) = (quantize(x.reshape(-1, KH, d)) for x in (k, v))
+    if kv in ("int8", "fp8"):
+        dtype = jnp.int8 if kv == "int8" else jnp.float8_e4m3fn
+        (k, ksc), (v, vsc) = (quantize(x.reshape(-1, KH, d), dtype) for x in (k, v))
         k, v = k.reshape(nb, bs, KH, d), v.reshape(nb, bs, KH, d)
         scales = {"k_scales": ksc.reshape(nb, bs, KH), "v_scales": vsc.reshape(nb, bs, KH)}
     return k, v, tables, scales
 
 
 def _kv_bytes(num_seqs: int, context: int, d: int, kv: str) -> int:
-    per = kv_bytes_per_element("int8" if kv == "int8" else "bfloat16", d)
+    per = kv_bytes_per_element({"int8": "int8", "fp8": "float8_e4m3fn"}.get(kv, "bfloat16"), d)
     return int(2 * num_seqs * context * KH * d * per)
 
 
@@ -90,12 +91,8 @@ def decode_rows(quick: bool, bandwidth: float, results: Results) -> None:
     d = 32 if quick else 128
     interpret = quick or jax.default_backend() != "gpu"
     iters = 2 if quick else 20
-    grid = [
-        (b, c, bs, kv)
-        for b, c in (QUICK_DECODE if quick else GPU_DECODE)
-        for bs in ((16,) if quick else (16, 64))
-        for kv in ("bf16", "int8")
-    ]
+    pools = [("bf16", 16), ("int8", 16), ("fp8", 16)] + ([] if quick else [("bf16", 64), ("int8", 64)])
+    grid = [(b, c, bs, kv) for b, c in (QUICK_DECODE if quick else GPU_DECODE) for kv, bs in pools]
     for b, c, bs, kv in tqdm(grid, desc="paged decode"):
         k, v, tables, scales = _pools(b, c, bs, d, kv)
         q = jax.random.normal(jax.random.key(9), (b, H, d), jnp.bfloat16)

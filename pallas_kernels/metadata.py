@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.kv_quant import quantize
+from pallas_kernels.kv_quant import is_quantized_kv, quantize
 from pallas_kernels.paged_tiles import TilePlan
 
 
@@ -84,8 +84,8 @@ def paged_head_dim(head_dim: int, impl: str) -> int:
 
 
 def kv_bytes_per_element(dtype: jnp.dtype | str, head_dim: int) -> float:
-    """Pool bytes per stored K or V element: int8 values carry a float32 scale per token and head."""
-    if jnp.dtype(dtype) == jnp.int8:
+    """Pool bytes per stored K or V element: int8/fp8 values carry a float32 scale per token and head."""
+    if is_quantized_kv(dtype):
         return 1 + 4 / head_dim
     return jnp.dtype(dtype).itemsize
 
@@ -95,7 +95,7 @@ def kv_bytes_per_element(dtype: jnp.dtype | str, head_dim: int) -> float:
 class PagedKVCache:
     """One layer's paged K/V pools [num_blocks, block_size, num_kv_heads, head_dim].
 
-    int8 pools carry per-token, per-head float32 scales [num_blocks, block_size, num_kv_heads].
+    int8 and fp8 pools carry per-token, per-head float32 scales [num_blocks, block_size, num_kv_heads].
     """
 
     k: Float[Array, "NB BS KH D"]
@@ -108,11 +108,11 @@ class PagedKVCache:
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
     ) -> PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        if jnp.dtype(dtype) == jnp.int8:
+        if is_quantized_kv(dtype):
             # two buffers: the engine donates the pools, and one buffer may not be donated twice
             return cls(
-                jnp.zeros(shape, jnp.int8),
-                jnp.zeros(shape, jnp.int8),
+                jnp.zeros(shape, dtype),
+                jnp.zeros(shape, dtype),
                 jnp.ones(shape[:3], jnp.float32),
                 jnp.ones(shape[:3], jnp.float32),
             )
@@ -126,7 +126,7 @@ class PagedKVCache:
         """Scatter new K/V into their slots (jit with the cache donated: updated in place)."""
         if self.k_scale is None or self.v_scale is None:
             return PagedKVCache(_scatter_slots(self.k, k, slots), _scatter_slots(self.v, v, slots))
-        (kq, ks), (vq, vs) = quantize(k), quantize(v)
+        (kq, ks), (vq, vs) = quantize(k, self.k.dtype), quantize(v, self.v.dtype)
         return PagedKVCache(
             _scatter_slots(self.k, kq, slots),
             _scatter_slots(self.v, vq, slots),

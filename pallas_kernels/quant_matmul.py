@@ -128,6 +128,7 @@ def weight_only_matmul(
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), x.dtype),
+        name=f"jaxinfra_w{bits}a16_matmul",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
     )(xp, qweight, scales, z)
@@ -177,6 +178,7 @@ def int8_matmul(
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype),
+        name="jaxinfra_w8a8_matmul",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
     )(xp, xs, wq, w_scale.reshape(1, n))

@@ -4,7 +4,7 @@ The flat token batch is cut into work tiles of `tokens` new tokens of one sequen
 are (token x query head of one KV group), so each K/V page is loaded once for the whole group.
 Pages are found through the block table, several per step; split-K cuts a long context into
 `num_splits` page ranges whose partial results are merged by log-sum-exp. Only pages the sequence
-owns are ever read. K/V may be int8 with per-token, per-head scales, dequantised in the kernel.
+owns are ever read. K/V may be int8 or fp8 with per-token, per-head scales, dequantised in the kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_quant import is_quantized_kv
 from pallas_kernels.paged_tiles import max_work_tiles, untile, work_tiles
 from pallas_kernels.tile_ops import dot, online_softmax_step
 
@@ -161,8 +162,8 @@ def ragged_paged_attention(
         raise ValueError(f"num query heads {h} must be a multiple of num kv heads {kh}")
     if bs & (bs - 1) or d & (d - 1):
         raise ValueError(f"block_size ({bs}) and head_dim ({d}) must be powers of two")
-    if (k_scales is None) != (v_scales is None) or (k_scales is None) != (k_pool.dtype != jnp.int8):
-        raise ValueError("int8 pools need k_scales and v_scales; float pools take none")
+    if (k_scales is None) != (v_scales is None) or (k_scales is None) == is_quantized_kv(k_pool.dtype):
+        raise ValueError("int8/fp8 pools need k_scales and v_scales; float pools take none")
     check_addressable(k_pool)
     if cu_q_lens.shape != (s + 1,) or kv_lens.shape != (s,):
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import yaml
 
 from jaxinfra.config import DTYPES as MODEL_DTYPES
@@ -14,7 +15,16 @@ from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
 
 DTYPES = ("auto", *MODEL_DTYPES)
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's names)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> jnp.dtype:
+    """The paged pools' element dtype: the model's ("auto"), int8, or float8 e4m3."""
+    if kv_cache_dtype == "int8":
+        return jnp.dtype(jnp.int8)
+    if kv_cache_dtype.startswith("fp8"):
+        return jnp.dtype(jnp.float8_e4m3fn)
+    return jnp.dtype(model_dtype)
 
 
 def default_compilation_cache_dir() -> str:
@@ -43,7 +53,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None  # bytes for the KV pool off GPU (default 256 MiB)
-    kv_cache_dtype: str = "auto"  # auto | int8
+    kv_cache_dtype: str = "auto"  # auto | int8 | fp8 (e4m3): quantized with a scale per token and head
     quantization: str | None = None  # the checkpoint's method (checked), or int8 / int4 to round a dense model
     tensor_parallel_size: int = 1
     attn_impl: str | None = None  # pallas | xla | reference (default: pallas on GPU, xla elsewhere)

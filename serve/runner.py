@@ -33,6 +33,7 @@ from pallas_kernels import (
     tile_plan,
 )
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
+from serve.config import kv_storage_dtype
 from serve.host_transfer import pack, unpack
 from serve.sampler import (
     ROW_FIELDS,
@@ -71,7 +72,7 @@ def num_blocks_for_memory(
     model: LlamaModel, block_size: int, kv_dtype: str, memory_bytes: int, attn_impl: str | None = None
 ) -> int:
     cfg = model.cfg
-    dtype = "int8" if kv_dtype == "int8" else cfg.dtype
+    dtype = kv_storage_dtype(kv_dtype, cfg.dtype)
     d = paged_head_dim(cfg.head_dim, paged_impl(attn_impl))
     per_block = 2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes_per_element(dtype, d)
     num_blocks = int(memory_bytes // (per_block * block_size))
@@ -238,7 +239,7 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps
         self.host_plan = paged_impl(attn_impl) == "xla"  # the XLA attention reads a host-built tile plan
         self.graphdef, self.state = nnx.split(model)
-        dtype = jnp.dtype(jnp.int8 if kv_cache_dtype == "int8" else cfg.dtype)
+        dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
         self.caches = [
             PagedKVCache.zeros(
                 num_blocks, block_size, cfg.num_kv_heads, paged_head_dim(cfg.head_dim, paged_impl(attn_impl)), dtype

@@ -34,7 +34,7 @@ def test_paged_attention_benchmark_quick(tmp_path):
     _run_quick("paged_attention", tmp_path)
     result = json.loads((tmp_path / "paged_attention.json").read_text())
     ours = [row for row in result["decode"] if row["impl"] == "ours"]
-    assert {row["kv"] for row in ours} == {"bf16", "int8"} and all(row["max_err"] < 2e-2 for row in ours)
+    assert {row["kv"] for row in ours} == {"bf16", "int8", "fp8"} and all(row["max_err"] < 2e-2 for row in ours)
     assert result["prefill"][0]["max_err"] < 2e-2 and (tmp_path / "paged_attention.png").is_file()
 
 
@@ -42,3 +42,12 @@ def test_train_throughput_quick(tmp_path):
     r = _run_quick("train_throughput", tmp_path)
     result = json.loads((tmp_path / "train_throughput.json").read_text())
     assert result["tokens_per_s"] > 0 and result["mfu"] > 0 and "MFU" in r.stdout
+
+
+def test_quant_matmul_benchmark_quick(tmp_path):
+    r = _run_quick("quant_matmul", tmp_path)
+    rows = json.loads((tmp_path / "quant_matmul.json").read_text())
+    assert [row["m"] for row in rows] == [1, 16]
+    assert all(row[f"{name}_err"] < 2e-2 for row in rows for name in ("w4a16", "w8a16", "w8a8"))
+    assert all(row["xla_int4_fusion"] in ("fused", "materialized") for row in rows)
+    assert (tmp_path / "quant_matmul.png").stat().st_size > 1000 and "W4A16" in r.stdout

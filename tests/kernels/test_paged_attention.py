@@ -13,6 +13,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla, tile_tokens
 
 D = 32
+QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 class Pool:
@@ -37,8 +38,8 @@ class Pool:
         k = rng.standard_normal((nb, bs, kh, D)).astype(np.float32)
         v = rng.standard_normal((nb, bs, kh, D)).astype(np.float32)
         self.kv_lens = jnp.asarray(lens, jnp.int32)
-        if dtype == "int8":
-            (kq, ks), (vq, vs) = (quantize(jnp.asarray(x).reshape(-1, kh, D)) for x in (k, v))
+        if dtype in QUANTIZED:
+            (kq, ks), (vq, vs) = (quantize(jnp.asarray(x).reshape(-1, kh, D), QUANTIZED[dtype]) for x in (k, v))
             shape = (nb, bs, kh)
             self.clean = dict(
                 k_pool=kq.reshape(k.shape),
@@ -76,6 +77,7 @@ def _qdtype(dtype):
         (16, 8, 2, "bfloat16", 3),  # GQA 4, split-K
         (64, 8, 1, "float32", 2),  # GQA 8, big blocks
         (16, 8, 2, "int8", None),  # int8 KV
+        (16, 8, 2, "fp8", 2),  # fp8 (e4m3) KV, split-K
     ],
 )
 def test_decode_matches_reference(bs, h, kh, dtype, splits):
@@ -96,6 +98,7 @@ def test_decode_matches_reference(bs, h, kh, dtype, splits):
         (8, 4, 4, "float32", None),
         (16, 8, 2, "bfloat16", None),
         (16, 8, 1, "int8", None),
+        (16, 8, 2, "fp8", None),
         (8, 8, 2, "float32", 11),
     ],
 )
@@ -136,6 +139,7 @@ def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window):
         (8, 4, 4, "float32", None, None),
         (16, 8, 2, "bfloat16", None, None),
         (16, 8, 1, "int8", None, None),
+        (16, 4, 2, "fp8", None, None),
         (8, 8, 2, "float32", 11, None),
         (8, 6, 2, "float32", None, 5.0),  # GQA 3
     ],
@@ -246,13 +250,19 @@ def test_cache_write_drops_padding_and_donates():
     assert (np.asarray(out.v).reshape(12, 2, D)[5] == 2).all()
 
 
-def test_int8_cache_write_round_trips():
-    cache = PagedKVCache.zeros(2, 4, 2, D, jnp.int8)
+@pytest.mark.parametrize("dtype,rel", [("int8", 0.5 / 127), ("fp8", 2.0**-4)])
+def test_quantized_cache_write_round_trips(dtype, rel):
+    """int8: error <= half a step of amax/127; fp8 e4m3 (3 mantissa bits): relative error <= 2^-4."""
+    cache = PagedKVCache.zeros(2, 4, 2, D, QUANTIZED[dtype])
     x = jax.random.normal(jax.random.key(8), (5, 2, D)) * 3
     out = cache.write(x, -x, jnp.arange(5))
     k = (out.k.astype(jnp.float32) * out.k_scale[..., None]).reshape(8, 2, D)[:5]
-    assert out.k.dtype == jnp.int8
-    np.testing.assert_allclose(k, x, atol=float(jnp.abs(x).max()) / 127)
+    assert out.k.dtype == QUANTIZED[dtype] and out.v.dtype == QUANTIZED[dtype]
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    bound = amax * rel if dtype == "int8" else jnp.maximum(jnp.abs(x) * rel, amax / 448 * 2.0**-9)
+    assert bool(jnp.all(jnp.abs(k - x) <= bound * (1 + 1e-5)))
+    v = (out.v.astype(jnp.float32) * out.v_scale[..., None]).reshape(8, 2, D)[:5]
+    np.testing.assert_array_equal(np.asarray(v), -np.asarray(k))
 
 
 def test_dispatcher_decode_and_ragged_entries():

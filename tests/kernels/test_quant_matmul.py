@@ -74,7 +74,7 @@ def test_weight_only_matmul_matches_reference(m, k, n, bits, group, symmetric, d
     q, s, z, dense = random_weight(rng, k, n, bits, group, symmetric)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     ref = weight_only_matmul_reference(x, q, s, z, bits=bits)
-    out = weight_only_matmul(x, q, s, z, bits=bits, interpret=True)
+    out = weight_only_matmul(x, q, s, z, bits=bits)
     assert out.shape == (m, n) and out.dtype == x.dtype
     tol = 1e-5 if dtype == "float32" else 2e-2
     scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
@@ -88,7 +88,7 @@ def test_weight_only_matmul_explicit_tiles():
     q, s, z, _ = random_weight(rng, 128, 64, 8, None, True)
     x = jnp.asarray(rng.standard_normal((33, 128)), jnp.float32)
     tiles = MatmulTiles(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
-    out = weight_only_matmul(x, q, s, z, bits=8, tiles=tiles, interpret=True)
+    out = weight_only_matmul(x, q, s, z, bits=8, tiles=tiles)
     np.testing.assert_allclose(np.asarray(out), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=8)), atol=1e-4)
 
 
@@ -96,12 +96,12 @@ def test_weight_only_matmul_refuses_bad_shapes():
     rng = np.random.default_rng(2)
     q, s, z, _ = random_weight(rng, 64, 40, 8, None, True)
     with pytest.raises(ValueError, match="multiple"):
-        weight_only_matmul(jnp.ones((2, 64)), q, s, z, bits=8, interpret=True)
+        weight_only_matmul(jnp.ones((2, 64)), q, s, z, bits=8)
     q, s, z, _ = random_weight(rng, 64, 48, 8, None, True)
     with pytest.raises(ValueError, match="K=32"):
-        weight_only_matmul(jnp.ones((2, 32)), q, s, z, bits=8, interpret=True)
+        weight_only_matmul(jnp.ones((2, 32)), q, s, z, bits=8)
     with pytest.raises(ValueError, match="bits"):
-        weight_only_matmul(jnp.ones((2, 64)), q, s, z, bits=3, interpret=True)
+        weight_only_matmul(jnp.ones((2, 64)), q, s, z, bits=3)
 
 
 def test_activation_quantization_per_token():
@@ -122,9 +122,9 @@ def test_int8_matmul_matches_reference(m, k, n):
     ref = int8_matmul_reference(xq, xs, wq, ws, out_dtype=jnp.float32)
     exact = (np.asarray(xq, np.int64) @ np.asarray(wq, np.int64)) * np.asarray(xs)[:, None] * np.asarray(ws)[None]
     np.testing.assert_allclose(np.asarray(ref), exact, rtol=1e-6)
-    out = int8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32, interpret=True)
+    out = int8_matmul(xq, xs, wq, ws, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6)
-    out_bf16 = int8_matmul(xq, xs, wq, ws, out_dtype=jnp.bfloat16, interpret=True)
+    out_bf16 = int8_matmul(xq, xs, wq, ws, out_dtype=jnp.bfloat16)
     assert out_bf16.dtype == jnp.bfloat16
 
 
@@ -132,7 +132,7 @@ def test_weight_only_matmul_is_jittable():
     rng = np.random.default_rng(4)
     q, s, z, _ = random_weight(rng, 64, 32, 4, 32, False)
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
-    f = jax.jit(lambda x: weight_only_matmul(x, q, s, z, bits=4, interpret=True))
+    f = jax.jit(lambda x: weight_only_matmul(x, q, s, z, bits=4))
     np.testing.assert_allclose(
         np.asarray(f(x)), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=4)), atol=1e-5
     )

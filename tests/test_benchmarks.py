@@ -51,3 +51,12 @@ def test_quant_matmul_benchmark_quick(tmp_path):
     assert all(row[f"{name}_err"] < 2e-2 for row in rows for name in ("w4a16", "w8a16", "w8a8"))
     assert all(row["xla_int4_fusion"] in ("fused", "materialized") for row in rows)
     assert (tmp_path / "quant_matmul.png").stat().st_size > 1000 and "W4A16" in r.stdout
+
+
+def test_quantization_benchmark_quick(tmp_path):
+    r = _run_quick("quantization", tmp_path)
+    rows = {row["method"]: row for row in json.loads((tmp_path / "quantization.json").read_text())}
+    assert rows["float32"]["same"] == 1.0 and rows["float32"]["perplexity"] > 1
+    assert rows["int4 g128 RTN"]["linear_bytes"] < rows["float32"]["linear_bytes"] / 7
+    assert rows["int8 RTN (per channel)"]["perplexity"] < rows["float32"]["perplexity"] * 1.01
+    assert "| int4 g128 GPTQ |" in r.stdout

@@ -129,9 +129,11 @@ def _names() -> list[str]:
     return [name for group in cal.GROUPS for name in group.linears]
 
 
-def quantize_model(model: LlamaModel, tokenizer: Tokenizer | None, cfg: QuantizeConfig) -> LlamaModel:
+def quantize_model(
+    model: LlamaModel, tokenizer: Tokenizer | None, cfg: QuantizeConfig, documents: list[str] | None = None
+) -> LlamaModel:
     """Quantize every decoder linear in place (embeddings and LM head stay in the model's dtype).
-    The tokenizer reads the calibration text (RTN needs none)."""
+    The tokenizer reads the calibration text (RTN needs none): `documents`, else cfg.calibration."""
     check(model.cfg, cfg)
     scheme = cfg.scheme()
     if not cfg.calibrated:
@@ -142,7 +144,7 @@ def quantize_model(model: LlamaModel, tokenizer: Tokenizer | None, cfg: Quantize
     if tokenizer is None:
         raise ValueError(f"method {cfg.method} needs a tokenizer for its calibration data")
     seq_len = min(cfg.seq_len, model.cfg.max_position_embeddings)
-    docs = cal.calibration_documents(cfg.calibration)
+    docs = documents if documents is not None else cal.calibration_documents(cfg.calibration)
     rows = cal.calibration_rows(docs, tokenizer, cfg.num_samples, seq_len, cfg.seed)
 
     def awq(layer: DecoderLayer, capture) -> None:

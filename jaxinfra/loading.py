@@ -15,6 +15,7 @@ from jaxinfra.checkpoint import load_hf_model, restore_params
 from jaxinfra.checkpoint.hf import abstract_model
 from jaxinfra.config import DTYPES, ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
+from jaxinfra.models.llama import stack_layers, unstack_layers
 from jaxinfra.quant.formats import QUANT_METHODS
 from jaxinfra.tokenizer import Tokenizer
 
@@ -126,9 +127,12 @@ def _load_run(run_dir: Path, dtype: str | None, attn_impl: str | None) -> LlamaM
     cfg = cfg.replace(dtype=dtype) if dtype else cfg
     graphdef, state = abstract_model(cfg, attn_impl)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device), nnx.to_pure_dict(state)
-    )
-    params, _ = restore_params(run_dir / "checkpoints", target)
+
+    def target(stacked: bool) -> dict:  # the checkpoint says how its layers are laid out
+        layout = stack_layers(nnx.to_pure_dict(state)) if stacked else nnx.to_pure_dict(state)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device), layout)
+
+    params, _, stacked = restore_params(run_dir / "checkpoints", target)
+    params = unstack_layers(params, cfg.num_layers) if stacked else params
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: x.astype(cfg.dtype), params))
     return nnx.merge(graphdef, state)

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab")
+LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers")
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 

@@ -60,3 +60,20 @@ def test_quantization_benchmark_quick(tmp_path):
     assert rows["int4 g128 RTN"]["linear_bytes"] < rows["float32"]["linear_bytes"] / 7
     assert rows["int8 RTN (per channel)"]["perplexity"] < rows["float32"]["perplexity"] * 1.01
     assert "| int4 g128 GPTQ |" in r.stdout
+
+
+def test_collectives_benchmark_on_8_cpu_devices(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.collectives", "--cpu-devices", "8", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "collectives.json").read_text())
+    assert {row["op"] for row in rows} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"}
+    assert all(row["devices"] == 8 and row["busbw"] > 0 for row in rows)
+    ar = next(row for row in rows if row["op"] == "all_reduce")
+    assert ar["busbw"] == ar["algbw"] * 2 * 7 / 8
+    assert "collectives over 8 cpu device(s)" in r.stdout

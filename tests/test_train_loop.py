@@ -75,12 +75,19 @@ def test_resumed_log_windows_match_an_uninterrupted_run(tmp_path):
     assert sorted(_losses(straight.out_dir)) == [3, 4, 6, 8]
 
 
+def test_profile_steps_write_a_trace_for_tensorboard(tmp_path):
+    """profile_steps=2 from step 1: a jax.profiler trace under out_dir/tb/plugins/profile."""
+    result = _run(tiny_run_config(tmp_path, steps=4, profile_steps=2, profile_start=1, export_hf=False))
+    traces = list((result.out_dir / "tb" / "plugins" / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000
+
+
 def _tensorboard_scalars(tb_dir):
     """Parse TFRecord event files with tensorboardX's protobuf definitions."""
     from tensorboardX.proto import event_pb2
 
     scalars = {}
-    for f in sorted(tb_dir.iterdir()):
+    for f in sorted(p for p in tb_dir.iterdir() if p.is_file()):
         data = f.read_bytes()
         i = 0
         while i < len(data):

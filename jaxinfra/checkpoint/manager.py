@@ -8,6 +8,7 @@ interrupted never shows up as a step and never replaces the previous good one.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,9 @@ class TrainCheckpointer:
         )
         return restored["params"], restored["opt_state"]
 
+    def stacked_layers(self, step: int) -> bool:
+        return _stacked(self.manager, step)
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -91,14 +95,25 @@ class TrainCheckpointer:
         self.manager.close()
 
 
-def restore_params(directory: str | Path, abstract_params: Any, step: int | None = None) -> tuple[Any, int]:
-    """Only the parameters of a training checkpoint (latest step by default), e.g. for serving."""
+def _stacked(manager: ocp.CheckpointManager, step: int) -> bool:
+    """Whether the step's params hold the decoder layers stacked (scan_layers) or one entry per layer."""
+    layers = manager.item_metadata(step)["params"]["layers"]
+    return not all(str(key).isdigit() for key in layers.keys())  # noqa: SIM118 - tree metadata, not a dict
+
+
+def restore_params(
+    directory: str | Path, abstract_params: Callable[[bool], Any], step: int | None = None
+) -> tuple[Any, int, bool]:
+    """Only the parameters of a training checkpoint (latest step by default), e.g. for serving:
+    (params, step, whether the layers are stacked). `abstract_params(stacked)` gives the target."""
     manager = _manager(Path(directory), CheckpointConfig(async_save=False), read_only=True)
     step = manager.latest_step() if step is None else step
     if step is None:
         raise ValueError(f"{directory}: no checkpoint")
     if step not in manager.all_steps():
         raise ValueError(f"{directory}: no checkpoint at step {step} (have {list(manager.all_steps())})")
-    restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+    stacked = _stacked(manager, step)
+    target = abstract_params(stacked)
+    restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
     manager.close()
-    return restored["params"], step
+    return restored["params"], step, stacked

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, traverse_util
 from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
@@ -159,6 +162,46 @@ class DecoderLayer(nnx.Module):
         return constrain(x, ("batch", "length", "embed")), cache
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """Decoder-layer parameters stacked on a leading axis (pure dicts), with one layer's graph to run a slice."""
+
+    graphdef: nnx.GraphDef
+    template: list  # one layer's flat state: (path, variable) pairs
+    params: dict
+
+    @classmethod
+    def of(cls, layers: nnx.List) -> LayerStack:
+        graphdef, state = nnx.split(layers[0])
+        if any(nnx.graphdef(layer) != graphdef for layer in layers):
+            raise ValueError("scanned layers must be identical (a partly quantized model cannot be scanned)")
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.to_pure_dict(nnx.state(layer)) for layer in layers])
+        return cls(graphdef, list(nnx.to_flat_state(state)), stacked)
+
+    def layer(self, params: dict) -> DecoderLayer:
+        """The layer whose parameters are `params` (one slice of the stack)."""
+        flat = traverse_util.flatten_dict(params)
+        return nnx.merge(self.graphdef, nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self.template]))
+
+
+def stack_layers(params: dict) -> dict:
+    """Pure-dict params with one entry per layer (params["layers"][i]) -> each weight stacked [L, ...]."""
+    layers = params["layers"]
+
+    def stack(*xs: Any) -> Any:
+        if isinstance(xs[0], jax.ShapeDtypeStruct):  # shapes alone (a model built with nnx.eval_shape)
+            return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+        return jnp.stack(xs)
+
+    return {**params, "layers": jax.tree.map(stack, *[layers[i] for i in range(len(layers))])}
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """The inverse of stack_layers."""
+    stacked = params["layers"]
+    return {**params, "layers": {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}}
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -179,11 +222,15 @@ def _layer_call(
 class LlamaModel(nnx.Module):
     """Decoder-only LM. `model(input_ids)` -> float32 logits; `forward` also threads KV caches.
 
-    `remat` ("none", "full", "save_dots") recomputes each decoder layer in the backward pass."""
+    `remat` ("none", "full", "save_dots") recomputes each decoder layer in the backward pass.
+    `scan_layers` runs the cache-free forward (training, scoring) as one `lax.scan` over the layers'
+    parameters stacked at trace time: one layer body in the compiled program, whatever the depth.
+    Parameters stay one module per layer, so checkpoints and HF import/export do not change."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
         self.cfg = cfg
         self.remat = "none"
+        self.scan_layers = False
         std, dt = cfg.initializer_range, cfg.dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), std, dt)
         self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl) for _ in range(cfg.num_layers)])
@@ -197,10 +244,14 @@ class LlamaModel(nnx.Module):
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
         caches: list[KVCache] | list[PagedKVCache] | None = None,
+        layer_stack: LayerStack | None = None,
     ) -> tuple[Float[Array, "B T E"], list | None]:
-        """Final-norm hidden states (before the LM head) and the updated per-layer caches."""
+        """Final-norm hidden states (before the LM head) and the updated per-layer caches.
+        `layer_stack`: run the layers from these stacked parameters instead of self.layers (scanned)."""
         x = jnp.take(self.embed[...], input_ids, axis=0)
         x = constrain(x, ("batch", "length", "embed"))
+        if layer_stack is not None or (self.scan_layers and caches is None):
+            return self.norm(self._scanned_layers(x, positions, metadata, layer_stack)), None
         new_caches: list | None = [] if caches is not None else None
         call = _layer_call if self.remat == "none" else nnx.remat(_layer_call, policy=REMAT_POLICIES[self.remat])
         for i, layer in enumerate(self.layers):
@@ -208,6 +259,26 @@ class LlamaModel(nnx.Module):
             if new_caches is not None:
                 new_caches.append(cache)
         return self.norm(x), new_caches
+
+    def _scanned_layers(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        metadata: AttentionMetadata,
+        stack: LayerStack | None = None,
+    ) -> Float[Array, "B T E"]:
+        """The decoder stack as one scan over layer parameters stacked on a leading `layers` axis
+        (`stack`, or this model's layers stacked at trace time)."""
+        stack = stack or LayerStack.of(self.layers)
+
+        def body(h: jax.Array, params: dict) -> tuple[jax.Array, None]:
+            out, _ = stack.layer(params)(h, positions, metadata, None)
+            return out, None
+
+        if self.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat])
+        x, _ = jax.lax.scan(body, x, stack.params)
+        return x
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (tied to the embedding when configured), float32 output."""
@@ -220,8 +291,9 @@ class LlamaModel(nnx.Module):
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
         caches: list[KVCache] | list[PagedKVCache] | None = None,
+        layer_stack: LayerStack | None = None,
     ) -> tuple[Float[Array, "B T V"], list | None]:
-        h, caches = self.hidden_states(input_ids, positions, metadata, caches)
+        h, caches = self.hidden_states(input_ids, positions, metadata, caches, layer_stack)
         return self.logits(h), caches
 
     def __call__(
@@ -229,12 +301,13 @@ class LlamaModel(nnx.Module):
         input_ids: Int[Array, "B T"],
         segment_ids: Int[Array, "B T"] | None = None,
         positions: Int[Array, "B T"] | None = None,
+        layer_stack: LayerStack | None = None,
     ) -> Float[Array, "B T V"]:
         """Causal forward over whole rows (optionally packed: segment ids and per-document positions)."""
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        logits, _ = self.forward(input_ids, positions, DenseMetadata(segment_ids=segment_ids))
+        logits, _ = self.forward(input_ids, positions, DenseMetadata(segment_ids=segment_ids), None, layer_stack)
         return logits
 
     def init_caches(self, batch: int, max_len: int, dtype: str | None = None) -> list[KVCache]:

@@ -31,6 +31,7 @@ class RunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     microbatches: int = 1  # gradient accumulation: the batch in this many pieces
     remat: str = "none"  # per decoder layer: none | full | save_dots
+    scan_layers: bool = True  # the decoder layers as one lax.scan (compile time independent of depth)
     compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval_every: int = 100
@@ -38,10 +39,15 @@ class RunConfig:
     log_every: int = 10
     peak_tflops: float | None = None  # per-device peak for MFU; default: known GPUs' bf16 dense peak
     attn_impl: str | None = None  # pallas | reference | xla | cudnn (default: pallas on GPU)
+    profile_steps: int = 0  # > 0: trace this many steps with jax.profiler into out_dir/tb (TensorBoard)
+    profile_start: int = 3  # first traced step (after compilation and warm-up)
     export_hf: bool = True  # write <out_dir>/hf (safetensors + tokenizer) at the end
 
     def __post_init__(self) -> None:
         self.train_config()  # checks remat, microbatches and compute_dtype
+        for name in ("profile_steps", "profile_start"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
@@ -50,7 +56,7 @@ class RunConfig:
 
     def train_config(self) -> TrainConfig:
         """What the sharded step takes."""
-        return TrainConfig(self.optim, self.microbatches, self.remat, self.compute_dtype)
+        return TrainConfig(self.optim, self.microbatches, self.remat, self.compute_dtype, self.scan_layers)
 
 
 def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

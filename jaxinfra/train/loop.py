@@ -79,6 +79,31 @@ def _export(trainer: Trainer, params: Any, model_cfg: ModelConfig, tokenizer: To
         tokenizer.save(out)
 
 
+class StepProfiler:
+    """jax.profiler trace of `num_steps` steps from `start` into `logdir` (TensorBoard's profile tab)."""
+
+    def __init__(self, num_steps: int, start: int, logdir: Path) -> None:
+        self.first, self.last, self.logdir = start, start + num_steps - 1, logdir
+        self.active = False
+        self.enabled = num_steps > 0
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.first and not self.active:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.logdir))
+            self.active = True
+
+    def after(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        if self.active and step >= self.last:
+            jax.block_until_ready(metrics)
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
 def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     """Run (or resume) the training run described by `cfg`; returns where it ended."""
     out = Path(cfg.out_dir)
@@ -101,6 +126,12 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     checkpoints = TrainCheckpointer(out / "checkpoints", cfg.checkpoint)
     start = checkpoints.latest_step() or 0
     if start:
+        if checkpoints.stacked_layers(start) != trainer.model_def.scan:
+            layout = "stacked layers" if trainer.model_def.scan else "one array per layer"
+            raise ValueError(
+                f"{out}: the checkpoint at step {start} does not hold {layout}; resume with "
+                f"scan_layers={str(not cfg.scan_layers).lower()}"
+            )
         target = trainer.abstract_state()
         params, opt_state = checkpoints.restore(start, target.params, target.opt_state, train_data)
         step0 = jax.device_put(jnp.asarray(start, jnp.int32), NamedSharding(mesh, PartitionSpec()))
@@ -109,7 +140,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
         state = trainer.init_state()
     else:
         state = trainer.init_state(
-            lambda: nnx.to_pure_dict(nnx.state(LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl), nnx.Param))
+            lambda: trainer.model_def.params_of(LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl))
         )
     if chief:
         out.mkdir(parents=True, exist_ok=True)
@@ -126,8 +157,11 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     pending: list[dict[str, jax.Array]] = []
     eval_loss = None
     tic = time.perf_counter()
+    profiler = StepProfiler(cfg.profile_steps, cfg.profile_start, out / "tb")
     for step in range(start, cfg.steps):
+        profiler.before(step)
         state, metrics = trainer.step(state, trainer.place_local_batch(next(train_data), rows))
+        profiler.after(step, metrics)
         pending.append(metrics)
         done = step + 1
         # A window also closes at each checkpoint, so a run resumed there logs the same windows
@@ -157,6 +191,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
             checkpoints.save(done, state.params, state.opt_state, train_data)
         if log_now:
             tic = time.perf_counter()
+    profiler.close()
     checkpoints.wait()
     checkpoints.close()
     logger.close()

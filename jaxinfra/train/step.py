@@ -20,7 +20,7 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import REMAT_POLICIES
+from jaxinfra.models.llama import REMAT_POLICIES, LayerStack, stack_layers, unstack_layers
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
 
@@ -48,6 +48,7 @@ class TrainConfig:
     microbatches: int = 1
     remat: str = "none"
     compute_dtype: str = "bfloat16"
+    scan_layers: bool = True  # one lax.scan over the decoder layers: compile time independent of depth
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
@@ -84,31 +85,63 @@ class TrainState:
 
 
 class ModelDef:
-    """The model's graph and parameter layout: rebuild a module from a params dict, shard by rules."""
+    """The model's graph and parameter layout: rebuild a module from a params dict, shard by rules.
 
-    def __init__(self, model: LlamaModel) -> None:
+    With `scan_layers` the decoder layers' parameters live stacked on a leading `layers` axis
+    (params["layers"][name] is [L, ...]): the step runs them as one scan and the optimizer updates
+    one array per weight kind, so the compiled step does not grow with depth. `build` and
+    `per_layer` give the usual one-module-per-layer form (checkpoints, export, evaluation)."""
+
+    def __init__(self, model: LlamaModel, scan_layers: bool = False) -> None:
         self.graphdef, state = nnx.split(model, nnx.Param)
         self.template = nnx.to_flat_state(state)
         self.axes = {path: var.get_metadata()["logical_axes"] for path, var in self.template}
+        self.num_layers = len(model.layers)
+        self.scan = scan_layers and self.num_layers > 0
+        if self.scan:
+            graphdef, layer_state = nnx.split(model.layers[0])
+            self.layer_graphdef, self.layer_template = graphdef, list(nnx.to_flat_state(layer_state))
 
     def params_of(self, model: LlamaModel) -> Params:
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return stack_layers(params) if self.scan else params
+
+    def per_layer(self, params: Params) -> Params:
+        """Stacked params -> one entry per layer (identity without scan_layers)."""
+        return unstack_layers(params, self.num_layers) if self.scan else params
+
+    def layer_stack(self, params: Params) -> LayerStack | None:
+        if not self.scan:
+            return None
+        return LayerStack(self.layer_graphdef, self.layer_template, params["layers"])
 
     def build(self, params: Params) -> LlamaModel:
-        flat = traverse_util.flatten_dict(params)
+        flat = traverse_util.flatten_dict(self.per_layer(params))
         state = nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self.template])
         return nnx.merge(self.graphdef, state)
+
+    def logical_axes(self, path: tuple) -> tuple:
+        if self.scan and path[0] == "layers":
+            return ("layers", *self.axes[("layers", 0, *path[1:])])
+        return self.axes[path]
 
     def shardings(self, params: Params, mesh: Mesh, rules: Rules) -> Params:
         flat = traverse_util.flatten_dict(params)
         return traverse_util.unflatten_dict(
-            {p: named_sharding(self.axes[p], rules, x.shape, mesh) for p, x in flat.items()}
+            {p: named_sharding(self.logical_axes(p), rules, x.shape, mesh) for p, x in flat.items()}
         )
 
 
-def lm_loss(model: LlamaModel, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def lm_loss(
+    model: LlamaModel, batch: dict[str, jax.Array], layer_stack: LayerStack | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over unmasked targets, and the number of those targets."""
-    logits = model(batch["input_ids"], segment_ids=batch.get("segment_ids"), positions=batch.get("positions"))
+    logits = model(
+        batch["input_ids"],
+        segment_ids=batch.get("segment_ids"),
+        positions=batch.get("positions"),
+        layer_stack=layer_stack,
+    )
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask)
@@ -118,7 +151,7 @@ class Trainer:
     """Owns the shardings and the jitted step for one (model, mesh, preset, config)."""
 
     def __init__(self, model: LlamaModel, mesh: Mesh, rules: ShardingRules, cfg: TrainConfig) -> None:
-        self.model_def = ModelDef(model)
+        self.model_def = ModelDef(model, cfg.scan_layers)
         self.mesh, self.rules, self.cfg = mesh, rules, cfg
         self.optimizer = make_optimizer(cfg.optim)
         params = jax.tree.map(_to_fp32, self.model_def.params_of(model))
@@ -184,9 +217,10 @@ class Trainer:
 
     def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         compute = jnp.dtype(self.cfg.compute_dtype)
-        model = self.model_def.build(jax.tree.map(lambda p: p.astype(compute), params))
+        params = jax.tree.map(lambda p: p.astype(compute), params)
+        model = self.model_def.build(params)  # its per-layer slices go unused (dead code) when scanned
         model.remat = self.cfg.remat  # per decoder layer
-        return lm_loss(model, batch)
+        return lm_loss(model, batch, self.model_def.layer_stack(params))
 
     def loss_and_grads(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params, jax.Array]:
         """Mean loss and gradients over the batch, accumulated over `microbatches` (traced in the step)."""

@@ -107,3 +107,20 @@ def test_tensor_parallel_serving_matches_one_device():
     script = Path(__file__).parent / "sharding" / "tp_serving_check.py"
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "TP_OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_tensor_parallel_step_has_megatron_all_reduces():
+    """Scanned layers under tp (4 data x 2 tensor): the forward layer body reduces activations twice
+    (after attention, after the MLP) and the backward body twice (the input gradients of the fused
+    Q/K/V and gate/up matmuls), as in Megatron; with full remat the backward body also recomputes the
+    attention output's reduction (the MLP's is not needed to get the layer's gradients)."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "sharding" / "tp_collectives_check.py"), "none,full"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("TPCOLL"))[len("TPCOLL") :])
+    assert sorted(counts["none"].values()) == [2, 2], counts
+    assert sorted(counts["full"].values()) == [2, 3], counts

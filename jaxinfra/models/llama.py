@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -15,6 +18,19 @@ from jaxinfra.models.rope import apply_rope, inverse_frequencies
 from jaxinfra.quant.qlinear import Weight, linear
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
 from sharding import constrain
+
+_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_projections", default=False)
+
+
+@contextlib.contextmanager
+def fused_projections() -> Iterator[None]:
+    """Within: dense Q/K/V and gate/up projections run as one matmul each (weights joined at trace
+    time). For training, where the join is cheap next to the step; decoding would read the weights twice."""
+    token = _FUSED.set(True)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype: str) -> nnx.Param:
@@ -73,6 +89,20 @@ class Attention(nnx.Module):
     v_proj: Weight
     o_proj: Weight
 
+    def _qkv(self, x: Float[Array, "B T E"]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Q, K, V projections; fused into one matmul over [E, KV heads, group + 2, D] (Megatron's
+        layout, sharded over KV heads) when fused_projections is on, so tensor parallelism reduces
+        the input gradient once instead of three times."""
+        ws = (self.q_proj, self.k_proj, self.v_proj)
+        if not (_FUSED.get() and all(isinstance(w, nnx.Param) for w in ws)):
+            return tuple(linear("bte,ehd->bthd", x, w) for w in ws)  # type: ignore[return-value]
+        kh, group = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
+        q = self.q_proj[...].reshape(x.shape[-1], kh, group, -1)
+        w = jnp.concatenate([q, self.k_proj[...][:, :, None], self.v_proj[...][:, :, None]], axis=2)
+        out = jnp.einsum("bte,ekgd->btkgd", x, constrain(w, ("embed", "kv_heads", None, "head_dim")))
+        b, t = x.shape[:2]
+        return out[:, :, :, :group].reshape(b, t, kh * group, -1), out[:, :, :, group], out[:, :, :, group + 1]
+
     def heads(
         self,
         x: Float[Array, "B T E"],
@@ -81,9 +111,7 @@ class Attention(nnx.Module):
         cache: KVCache | PagedKVCache | None,
     ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
         """Per-head attention output, before the output projection (what o_proj sees)."""
-        q = linear("bte,ehd->bthd", x, self.q_proj)
-        k = linear("bte,ehd->bthd", x, self.k_proj)
-        v = linear("bte,ehd->bthd", x, self.v_proj)
+        q, k, v = self._qkv(x)
         if self.cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.cfg.qk_norm:
@@ -132,9 +160,14 @@ class MLP(nnx.Module):
     down_proj: Weight
 
     def hidden(self, x: Float[Array, "B T E"]) -> Float[Array, "B T M"]:
-        """silu(gate(x)) * up(x): what down_proj sees."""
-        h = jax.nn.silu(linear("bte,em->btm", x, self.gate_proj)) * linear("bte,em->btm", x, self.up_proj)
-        return constrain(h, ("batch", "length", "mlp"))
+        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul when fused)."""
+        if _FUSED.get() and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
+            w = constrain(jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=1), ("embed", None, "mlp"))
+            out = jnp.einsum("bte,ecm->btcm", x, w)
+            gate, up = out[:, :, 0], out[:, :, 1]
+        else:
+            gate, up = linear("bte,em->btm", x, self.gate_proj), linear("bte,em->btm", x, self.up_proj)
+        return constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
 
     def __call__(self, x: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
         return linear("btm,me->bte", self.hidden(x), self.down_proj)

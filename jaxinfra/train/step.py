@@ -20,7 +20,7 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import REMAT_POLICIES, LayerStack, stack_layers, unstack_layers
+from jaxinfra.models.llama import REMAT_POLICIES, LayerStack, fused_projections, stack_layers, unstack_layers
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
 
@@ -220,7 +220,8 @@ class Trainer:
         params = jax.tree.map(lambda p: p.astype(compute), params)
         model = self.model_def.build(params)  # its per-layer slices go unused (dead code) when scanned
         model.remat = self.cfg.remat  # per decoder layer
-        return lm_loss(model, batch, self.model_def.layer_stack(params))
+        with fused_projections():  # one input-gradient reduction for Q/K/V and one for gate/up under TP
+            return lm_loss(model, batch, self.model_def.layer_stack(params))
 
     def loss_and_grads(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params, jax.Array]:
         """Mean loss and gradients over the batch, accumulated over `microbatches` (traced in the step)."""

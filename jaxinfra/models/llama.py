@@ -93,12 +93,12 @@ class Attention(nnx.Module):
         """Q, K, V projections; fused into one matmul over [E, KV heads, group + 2, D] (Megatron's
         layout, sharded over KV heads) when fused_projections is on, so tensor parallelism reduces
         the input gradient once instead of three times."""
-        ws = (self.q_proj, self.k_proj, self.v_proj)
-        if not (_FUSED.get() and all(isinstance(w, nnx.Param) for w in ws)):
-            return tuple(linear("bte,ehd->bthd", x, w) for w in ws)  # type: ignore[return-value]
+        wq, wk, wv = self.q_proj, self.k_proj, self.v_proj
+        if not (_FUSED.get() and isinstance(wq, nnx.Param) and isinstance(wk, nnx.Param) and isinstance(wv, nnx.Param)):
+            return linear("bte,ehd->bthd", x, wq), linear("bte,ehd->bthd", x, wk), linear("bte,ehd->bthd", x, wv)
         kh, group = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
-        q = self.q_proj[...].reshape(x.shape[-1], kh, group, -1)
-        w = jnp.concatenate([q, self.k_proj[...][:, :, None], self.v_proj[...][:, :, None]], axis=2)
+        q = wq[...].reshape(x.shape[-1], kh, group, -1)
+        w = jnp.concatenate([q, wk[...][:, :, None], wv[...][:, :, None]], axis=2)
         out = jnp.einsum("bte,ekgd->btkgd", x, constrain(w, ("embed", "kv_heads", None, "head_dim")))
         b, t = x.shape[:2]
         return out[:, :, :, :group].reshape(b, t, kh * group, -1), out[:, :, :, group], out[:, :, :, group + 1]

@@ -29,13 +29,14 @@ step kernel_tests 80 $PY -m pytest -q -x -p no:cacheprovider tests/kernels
 step attention 90 $PY -m benchmarks.attention --out "$OUT"
 step paged_attention 100 $PY -m benchmarks.paged_attention --out "$OUT"
 step quant_matmul 45 $PY -m benchmarks.quant_matmul --budget 30 --out "$OUT"
+step collectives 15 $PY -m benchmarks.collectives --max-bytes 268435456 --out "$OUT"
 # 3. Training throughput (Llama-3.2-1B shape, seq 4096, one GPU).
 step train_throughput 55 $PY -m benchmarks.train_throughput --model llama-3.2-1b --seq-len 4096 --batch 4 --out "$OUT"
 # 4. The training loop end to end (tiny recipe, Pallas flash attention in the model, checkpoints, eval).
-step train_recipe 35 $PY -m jaxinfra train --config configs/train/tiny-cpu.yaml attn_impl=pallas \
+step train_recipe 30 $PY -m jaxinfra train --config configs/train/tiny-cpu.yaml attn_impl=pallas \
     out_dir="$OUT/train_tiny" export_hf=false --no-progress
 # 5. End to end: our server on a Llama-3.2-1B-shaped random-weight model, streaming load.
-step serving_online 70 $PY -m benchmarks.serving_online --local llama-3.2-1b --num-requests 256 \
+step serving_online 60 $PY -m benchmarks.serving_online --local llama-3.2-1b --num-requests 256 \
     --arrival burst --input-len 256 --output-len 128 --max-model-len 2048 --out "$OUT"
 
 echo
@@ -44,6 +45,7 @@ for f in "$OUT"/kernel_tests.log; do tail -n 1 "$f"; done
 sed -n '/measured matmul peak/,$p' "$OUT/attention.log"
 sed -n '/measured copy bandwidth/,$p' "$OUT/paged_attention.log"
 sed -n '/quantized matmul speedup/,$p' "$OUT/quant_matmul.log"
+sed -n '/collectives over/,$p' "$OUT/collectives.log"
 grep '^train step' "$OUT/train_throughput.log"
 grep '^trained' "$OUT/train_recipe.log"
 grep -A5 '^\[rate' "$OUT/serving_online.log"

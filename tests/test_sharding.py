@@ -33,6 +33,7 @@ def report():
         else:
             merged["runs"] += part["runs"]
             merged["plan"] += part["plan"]
+            merged["tp_without_tensor_axis"] += part["tp_without_tensor_axis"]
     return merged
 
 
@@ -71,6 +72,7 @@ def test_plan_report_matches_arrays_and_zero_accounting(report):
             # analytic ignores that tiny vectors (norms) and the Adam step counter stay replicated
             assert abs(row[part] - row[f"analytic_{part}"]) <= 0.05 * row[f"analytic_{part}"] + 2048, (row, part)
         assert row["activations"] > 0
+    assert "shards over the tensor axis" in report["tp_without_tensor_axis"]  # not silently dp numbers
 
 
 @pytest.mark.slow

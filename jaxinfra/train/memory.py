@@ -49,6 +49,9 @@ def memory_report(
     abstract_model = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0)))
     mesh = make_mesh(mesh_config)
     dp, tp = parallel_sizes(mesh)
+    for preset in presets:  # a tensor-parallel preset on a mesh without a tensor axis is plain data parallelism
+        if "mlp" in get_rules(preset).params and tp == 1:
+            raise ValueError(f"preset {preset} shards over the tensor axis, but the mesh {mesh_config} has tensor=1")
     rows = []
     for preset in presets:
         trainer = Trainer(abstract_model, mesh, get_rules(preset), train)

@@ -94,7 +94,14 @@ def main():
             )
     from jaxinfra.train.memory import memory_report
 
-    report["plan"] = [dataclasses.asdict(r) for r in memory_report(CFG, MeshConfig(8, 1, 1), presets, 16, 8, TC)]
+    dp_mesh = MeshConfig(8, 1, 1)
+    plannable = [p for p in presets if "mlp" not in get_rules(p).params]  # no tensor axis on this mesh
+    report["plan"] = [dataclasses.asdict(r) for r in memory_report(CFG, dp_mesh, plannable, 16, 8, TC)]
+    try:
+        memory_report(CFG, dp_mesh, presets, 16, 8, TC)
+        report["tp_without_tensor_axis"] = ""
+    except ValueError as e:
+        report["tp_without_tensor_axis"] = str(e)
     report["indivisible_refused"] = indivisible_refused()
     print("REPORT" + json.dumps(report))
 

@@ -75,6 +75,14 @@ def shapes(layer: DecoderLayer, name: str) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(shape[:n_in]), tuple(shape[n_in:])
 
 
+def axes(layer: DecoderLayer, name: str) -> tuple[str | None, str | None]:
+    """Logical names of a dense weight's K and N (its first input and first output axis)."""
+    names = dense(layer, name).get_metadata().get("logical_axes")
+    if names is None:
+        return None, None
+    return names[0], names[IN_DIMS.get(name, 1)]
+
+
 def matrix(layer: DecoderLayer, name: str) -> jax.Array:
     """The dense weight as a float32 [K, N] matrix."""
     k_dims, _ = shapes(layer, name)

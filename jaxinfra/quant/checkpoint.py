@@ -61,7 +61,8 @@ def attach(
         k, n = int(np.prod(in_shape)), int(np.prod(out_shape))
         if neutral.values.shape != (k, n):
             raise ValueError(f"{prefix}: quantized weight is {list(neutral.values.shape)[::-1]}, expected [{n}, {k}]")
-        cal.put(layer, name, formats.to_quantized_linear(neutral, in_shape, out_shape, dtype))
+        linear = formats.to_quantized_linear(neutral, in_shape, out_shape, dtype, cal.axes(layer, name))
+        cal.put(layer, name, linear)
         used |= {f"{prefix}.{t}" for t in names}
     return used
 

@@ -66,7 +66,11 @@ def from_linear(ql: QuantizedLinear) -> Neutral:
 
 
 def to_quantized_linear(
-    n: Neutral, in_shape: tuple[int, ...], out_shape: tuple[int, ...], dtype: Any
+    n: Neutral,
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    dtype: Any,
+    axes: tuple[str | None, str | None] = (None, None),
 ) -> QuantizedLinear:
     """Rows are reordered by group when g_idx is not sequential (act-order), kept as the layer's perm."""
     k = n.values.shape[0]
@@ -97,6 +101,7 @@ def to_quantized_linear(
         out_shape=out_shape,
         dtype=dtype,
         perm=None if perm is None else jnp.asarray(perm),
+        axes=axes,
     )
 
 

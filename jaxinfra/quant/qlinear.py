@@ -36,7 +36,8 @@ class QuantParam(nnx.Variable):
 class QuantizedLinear(nnx.Module):
     """y = x @ W for a quantized W [K, N]; `act_bits=8` also quantizes activations per token (W8A8).
 
-    `perm` (GPTQ act-order) lists, for each stored row, the input feature it belongs to."""
+    `perm` (GPTQ act-order) lists, for each stored row, the input feature it belongs to. `axes` names
+    K and N logically (the dense weight's first input and first output axis) for sharding."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class QuantizedLinear(nnx.Module):
         act_bits: int | None = None,
         perm: jax.Array | None = None,
         impl: str | None = None,
+        axes: tuple[str | None, str | None] = (None, None),
     ) -> None:
         if bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits}")
@@ -59,10 +61,12 @@ class QuantizedLinear(nnx.Module):
         rows = qweight.shape[0] * (2 if bits == 4 else 1)
         if (rows, qweight.shape[1]) != (k, n):
             raise ValueError(f"{bits}-bit weight of stored shape {qweight.shape} does not cover [{k}, {n}]")
-        self.qweight = QuantParam(qweight)
-        self.scales = QuantParam(scales)
-        self.zeros = None if zeros is None else QuantParam(zeros)
-        self.perm = None if perm is None else QuantParam(perm.astype(jnp.int32))
+        k_axis, n_axis = axes  # logical names of K and N: tensor parallelism shards them as the dense weight
+        group_axes = (k_axis if scales.shape[0] > 1 else None, n_axis)
+        self.qweight = QuantParam(qweight, logical_axes=(k_axis, n_axis))
+        self.scales = QuantParam(scales, logical_axes=group_axes)
+        self.zeros = None if zeros is None else QuantParam(zeros, logical_axes=group_axes)
+        self.perm = None if perm is None else QuantParam(perm.astype(jnp.int32), logical_axes=(None,))
         self.bits = bits
         self.act_bits = act_bits
         self.in_shape = tuple(in_shape)

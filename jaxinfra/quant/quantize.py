@@ -122,7 +122,9 @@ def check(model_cfg: ModelConfig, cfg: QuantizeConfig) -> None:
 def _replace(layer: DecoderLayer, name: str, q, scale, zero, scheme: QuantScheme) -> None:
     in_shape, out_shape = cal.shapes(layer, name)
     dtype = jnp.dtype(layer.attn.cfg.dtype)
-    cal.put(layer, name, to_linear(q, scale, zero, scheme, in_shape=in_shape, out_shape=out_shape, dtype=dtype))
+    axes = cal.axes(layer, name)
+    linear = to_linear(q, scale, zero, scheme, in_shape=in_shape, out_shape=out_shape, dtype=dtype, axes=axes)
+    cal.put(layer, name, linear)
 
 
 def _names() -> list[str]:

@@ -123,6 +123,7 @@ def to_linear(
     out_shape: tuple[int, ...],
     dtype: jnp.dtype,
     perm: jax.Array | None = None,
+    axes: tuple[str | None, str | None] = (None, None),
 ) -> QuantizedLinear:
     """Pack integer values, scales and zero points into a QuantizedLinear (scales in `dtype`)."""
     k = q.shape[0]
@@ -143,4 +144,5 @@ def to_linear(
         out_shape=out_shape,
         act_bits=scheme.act_bits,
         perm=perm,
+        axes=axes,
     )

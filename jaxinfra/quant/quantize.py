@@ -110,12 +110,12 @@ def input_widths(model_cfg: ModelConfig) -> dict[str, int]:
     return {**widths, "attn.o_proj": attn, "mlp.down_proj": m}
 
 
-def check(model_cfg: ModelConfig, cfg: QuantizeConfig) -> None:
+def check(model_cfg: ModelConfig, cfg: QuantizeConfig, documents_given: bool = False) -> None:
     """Every linear's width fits the scheme, and the calibration data exists (before any work)."""
     scheme = cfg.scheme()
     for name, k in input_widths(model_cfg).items():
         scheme.check_width(k, name)
-    if cfg.calibrated and cfg.calibration is None and not cal.DEFAULT_CALIBRATION.is_file():
+    if cfg.calibrated and cfg.calibration is None and not documents_given and not cal.DEFAULT_CALIBRATION.is_file():
         cal.calibration_documents(None)  # raises with how to get the default corpus
 
 
@@ -136,7 +136,7 @@ def quantize_model(
 ) -> LlamaModel:
     """Quantize every decoder linear in place (embeddings and LM head stay in the model's dtype).
     The tokenizer reads the calibration text (RTN needs none): `documents`, else cfg.calibration."""
-    check(model.cfg, cfg)
+    check(model.cfg, cfg, documents_given=documents is not None)
     scheme = cfg.scheme()
     if not cfg.calibrated:
         for layer in model.layers:

@@ -7,6 +7,8 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from jaxinfra.config import DTYPES
 from jaxinfra.loading import DEFAULT_MODEL
@@ -71,29 +73,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
+
+    from jaxinfra.loading import load_model
+
+    print(f"wrote {_export(load_model(args.model, dtype=args.dtype), args)}")
+    return 0
+
+
+def _export(model: Any, args: argparse.Namespace, quant_format: str = "compressed-tensors") -> Any:
+    """`--out` as a HF directory: weights, config and the source's tokenizer (a preset's byte-level one)."""
 
     from jaxinfra.checkpoint import export_hf
-    from jaxinfra.loading import load_model, load_tokenizer
+    from jaxinfra.loading import load_tokenizer
 
-    model = load_model(args.model, dtype=args.dtype)
     out = export_hf(
         model,
         args.out,
         dtype=args.dtype,
         max_shard_bytes=args.max_shard_size,
         tokenizer_dir=args.model if Path(args.model).is_dir() else None,
+        quant_format=quant_format,
     )
     if not Path(args.model).is_dir():
         load_tokenizer(args.model).save(out)
-    print(f"wrote {out}")
-    return 0
+    return out
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
-    from jaxinfra.checkpoint import export_hf
     from jaxinfra.loading import load_config, load_model, load_tokenizer
     from jaxinfra.quant import calibration
     from jaxinfra.quant.quantize import check, check_format, load_quantize_config, quantize_model
@@ -116,23 +123,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=args.dtype)
     tokenizer = load_tokenizer(args.model)
     quantize_model(model, tokenizer, cfg)
-    out = export_hf(
-        model,
-        args.out,
-        dtype=args.dtype,
-        max_shard_bytes=args.max_shard_size,
-        tokenizer_dir=args.model if Path(args.model).is_dir() else None,
-        quant_format=args.format,
-    )
-    if not Path(args.model).is_dir():
-        tokenizer.save(out)
+    out = _export(model, args, args.format)
     size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
     print(f"wrote {out} ({cfg.method}, {cfg.bits}-bit, {args.format}; {_human(size)} of safetensors)")
     return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     import jax.numpy as jnp
 

@@ -30,6 +30,7 @@ from jaxinfra.data import load_documents
 from jaxinfra.data.pipeline import document_tokens
 from jaxinfra.data.sources import split_documents
 from jaxinfra.quant import QuantizedLinear
+from jaxinfra.quant import calibration as cal
 from jaxinfra.quant.calibration import KJV_VALID_FRACTION
 from jaxinfra.quant.quantize import QuantizeConfig, quantize_model
 
@@ -57,13 +58,9 @@ def weight_bytes(model: jaxinfra.LlamaModel) -> tuple[int, int]:
     """(bytes of the decoder linears as stored, bytes of the whole model)."""
     linears = 0
     for layer in model.layers:
-        for module in (layer.attn, layer.mlp):
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-                w = getattr(module, name, None)
-                if isinstance(w, QuantizedLinear):
-                    linears += w.nbytes
-                elif w is not None:
-                    linears += w[...].nbytes
+        for name in cal.LINEAR_NAMES:
+            w = cal.get(layer, name)
+            linears += w.nbytes if isinstance(w, QuantizedLinear) else w[...].nbytes
     total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     return linears, total
 

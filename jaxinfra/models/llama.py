@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -140,10 +140,12 @@ class Attention(nnx.Module):
         cache: KVCache | PagedKVCache | None,
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
         out, cache = self.heads(x, positions, metadata, cache)
+        return self.project(out), cache
+
+    def project(self, out: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
+        """The output projection (and its bias) of per-head attention outputs."""
         y = linear("bthd,hde->bte", out, self.o_proj)
-        if self.cfg.o_bias:
-            y = y + self.o_bias[...]
-        return y, cache
+        return y + self.o_bias[...] if self.cfg.o_bias else y
 
 
 class MLP(nnx.Module):
@@ -208,25 +210,37 @@ class LayerStack:
         graphdef, state = nnx.split(layers[0])
         if any(nnx.graphdef(layer) != graphdef for layer in layers):
             raise ValueError("scanned layers must be identical (a partly quantized model cannot be scanned)")
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.to_pure_dict(nnx.state(layer)) for layer in layers])
+        stacked = _stack_trees([nnx.to_pure_dict(nnx.state(layer)) for layer in layers])
         return cls(graphdef, list(nnx.to_flat_state(state)), stacked)
 
     def layer(self, params: dict) -> DecoderLayer:
         """The layer whose parameters are `params` (one slice of the stack)."""
-        flat = traverse_util.flatten_dict(params)
-        return nnx.merge(self.graphdef, nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self.template]))
+        return merge_params(self.graphdef, self.template, params)
+
+
+def merge_params(graphdef: nnx.GraphDef, template: Iterable[Any], params: dict) -> Any:
+    """The module of `graphdef` whose variables (flat `template`: (path, variable) pairs) hold the
+    values of the pure dict `params`."""
+    flat = traverse_util.flatten_dict(params)
+    return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in template]))
+
+
+def _stack_trees(trees: list) -> Any:
+    """Equal-structured trees -> one tree of leaves stacked on a new leading axis (shapes alone too,
+    for a model built with nnx.eval_shape)."""
+
+    def stack(*xs: Any) -> Any:
+        if isinstance(xs[0], jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+        return jnp.stack(xs)
+
+    return jax.tree.map(stack, *trees)
 
 
 def stack_layers(params: dict) -> dict:
     """Pure-dict params with one entry per layer (params["layers"][i]) -> each weight stacked [L, ...]."""
     layers = params["layers"]
-
-    def stack(*xs: Any) -> Any:
-        if isinstance(xs[0], jax.ShapeDtypeStruct):  # shapes alone (a model built with nnx.eval_shape)
-            return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
-        return jnp.stack(xs)
-
-    return {**params, "layers": jax.tree.map(stack, *[layers[i] for i in range(len(layers))])}
+    return {**params, "layers": _stack_trees([layers[i] for i in range(len(layers))])}
 
 
 def unstack_layers(params: dict, num_layers: int) -> dict:

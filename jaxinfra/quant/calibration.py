@@ -48,6 +48,7 @@ GROUPS = (
     InputGroup("mlp_in", ("mlp.gate_proj", "mlp.up_proj"), norm="post_attn_norm"),
     InputGroup("down_in", ("mlp.down_proj",), prev="mlp.up_proj"),
 )
+LINEAR_NAMES = tuple(name for group in GROUPS for name in group.linears)  # every decoder linear
 IN_DIMS = {"attn.o_proj": 2}  # input dims of each weight (others: 1)
 
 
@@ -131,7 +132,7 @@ def _captures(layer: DecoderLayer, x: jax.Array, positions: jax.Array) -> dict[s
 
     attn_in = layer.input_norm(x)
     heads, _ = layer.attn.heads(attn_in, positions, DenseMetadata(), None)
-    h = x + layer.attn(attn_in, positions, DenseMetadata(), None)[0]
+    h = x + layer.attn.project(heads)
     mlp_in = layer.post_attn_norm(h)
     flat = lambda a: a.reshape(-1, int(np.prod(a.shape[2:]))).astype(jnp.float32)
     return {

@@ -14,7 +14,6 @@ from jaxinfra.quant import calibration as cal
 from jaxinfra.quant import formats
 from jaxinfra.quant.qlinear import QuantizedLinear
 
-LINEAR_NAMES = tuple(name for group in cal.GROUPS for name in group.linears)
 # Where each format's quantized linear announces itself (a dense linear has none of these).
 MARKERS = {"pack-quantized": "weight_packed", "int-quantized": "weight_scale", "naive-quantized": "weight_scale"}
 
@@ -32,7 +31,7 @@ def _read_prefixed(read: Callable[[str], np.ndarray], prefix: str, tensor: str) 
 def linear_prefixes(num_layers: int, hf_name: Callable[[tuple], str]) -> Iterator[tuple[int, str, str]]:
     """(layer, our linear name, HF module prefix) for every decoder linear."""
     for i in range(num_layers):
-        for name in LINEAR_NAMES:
+        for name in cal.LINEAR_NAMES:
             yield i, name, hf_name(("layers", i, *name.split("."))).removesuffix(".weight")
 
 

@@ -127,10 +127,6 @@ def _replace(layer: DecoderLayer, name: str, q, scale, zero, scheme: QuantScheme
     cal.put(layer, name, linear)
 
 
-def _names() -> list[str]:
-    return [name for group in cal.GROUPS for name in group.linears]
-
-
 def quantize_model(
     model: LlamaModel, tokenizer: Tokenizer | None, cfg: QuantizeConfig, documents: list[str] | None = None
 ) -> LlamaModel:
@@ -140,7 +136,7 @@ def quantize_model(
     scheme = cfg.scheme()
     if not cfg.calibrated:
         for layer in model.layers:
-            for name in _names():
+            for name in cal.LINEAR_NAMES:
                 _replace(layer, name, *rtn(cal.matrix(layer, name), scheme), scheme)
         return model
     if tokenizer is None:
@@ -151,7 +147,7 @@ def quantize_model(
 
     def awq(layer: DecoderLayer, capture) -> None:
         ratios = awq_layer(layer, capture, scheme)
-        for name in _names():
+        for name in cal.LINEAR_NAMES:
             _replace(layer, name, *rtn(cal.matrix(layer, name), scheme, ratios.get(name)), scheme)
 
     def run_gptq(layer: DecoderLayer, capture) -> None:
@@ -165,7 +161,7 @@ def quantize_model(
 
     def smoothquant(layer: DecoderLayer, capture) -> None:
         smooth_layer(layer, capture, cfg.smoothquant_alpha)
-        for name in _names():
+        for name in cal.LINEAR_NAMES:
             _replace(layer, name, *rtn(cal.matrix(layer, name), scheme), scheme)
 
     fn = {"awq": awq, "gptq": run_gptq, "smoothquant": smoothquant}[cfg.method]

@@ -20,7 +20,14 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import REMAT_POLICIES, LayerStack, fused_projections, stack_layers, unstack_layers
+from jaxinfra.models.llama import (
+    REMAT_POLICIES,
+    LayerStack,
+    fused_projections,
+    merge_params,
+    stack_layers,
+    unstack_layers,
+)
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
 
@@ -116,9 +123,7 @@ class ModelDef:
         return LayerStack(self.layer_graphdef, self.layer_template, params["layers"])
 
     def build(self, params: Params) -> LlamaModel:
-        flat = traverse_util.flatten_dict(self.per_layer(params))
-        state = nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self.template])
-        return nnx.merge(self.graphdef, state)
+        return merge_params(self.graphdef, self.template, self.per_layer(params))
 
     def logical_axes(self, path: tuple) -> tuple:
         if self.scan and path[0] == "layers":

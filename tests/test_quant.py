@@ -11,7 +11,7 @@ from flax import nnx
 import jaxinfra
 from jaxinfra.quant import QuantizedLinear
 from jaxinfra.quant import calibration as cal
-from jaxinfra.quant.awq import _fold, search_clip, search_scales
+from jaxinfra.quant.awq import search_clip, search_scales
 from jaxinfra.quant.gptq import gptq, hessian
 from jaxinfra.quant.quantize import QuantizeConfig, load_quantize_config, quantize_model
 from jaxinfra.quant.rtn import QuantScheme, dequant, fake_quant, rtn
@@ -118,7 +118,7 @@ def test_awq_folding_keeps_the_float_model(preset):
         if group.name == "o_in" and model.cfg.num_heads != model.cfg.num_kv_heads:
             continue
         k = cal.matrix(layer, group.linears[0]).shape[0]
-        _fold(layer, group, jnp.asarray(rng.uniform(0.5, 2.0, k), jnp.float32))
+        cal.fold_scales(layer, group, jnp.asarray(rng.uniform(0.5, 2.0, k), jnp.float32))
     np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(before), atol=2e-4, rtol=0)
 
 

@@ -67,21 +67,6 @@ def search_clip(x: jax.Array, w: jax.Array, scheme: QuantScheme, steps: int = 10
     return ratios[jnp.argmin(errors, axis=0)]
 
 
-def _fold(layer: DecoderLayer, group: cal.InputGroup, s: jax.Array) -> None:
-    """W rows *= s for the group's linears; the producer of their input divides by s."""
-    for name in group.linears:
-        cal.set_matrix(layer, name, cal.matrix(layer, name) * s[:, None])
-    if group.norm is not None:
-        norm = getattr(layer, group.norm)
-        norm.scale[...] = (norm.scale[...].astype(jnp.float32) / s).astype(norm.scale.dtype)
-        return
-    assert group.prev is not None
-    cal.set_matrix(layer, group.prev, cal.matrix(layer, group.prev) / s[None, :])
-    bias = getattr(layer.attn, "v_bias", None) if group.prev == "attn.v_proj" else None
-    if bias is not None:
-        bias[...] = (bias[...].astype(jnp.float32) / s.reshape(bias.shape)).astype(bias.dtype)
-
-
 def _foldable(layer: DecoderLayer, group: cal.InputGroup) -> bool:
     """o_proj's input channels map one to one onto v_proj's outputs only without GQA."""
     cfg = layer.attn.cfg
@@ -97,7 +82,7 @@ def awq_layer(layer: DecoderLayer, capture, scheme: QuantScheme) -> dict[str, ja
     for group in cal.GROUPS:
         if _foldable(layer, group):
             w = jnp.concatenate([cal.matrix(layer, name) for name in group.linears], axis=1)
-            _fold(layer, group, search_scales(_tokens(inputs[group.name]), w, scheme))
+            cal.fold_scales(layer, group, search_scales(_tokens(inputs[group.name]), w, scheme))
     inputs = capture()
     return {
         name: search_clip(_tokens(inputs[group.name]), cal.matrix(layer, name), scheme)

@@ -95,6 +95,22 @@ def set_matrix(layer: DecoderLayer, name: str, w: jax.Array) -> None:
     param[...] = w.reshape(param.shape).astype(param.dtype)
 
 
+def fold_scales(layer: DecoderLayer, group: InputGroup, s: jax.Array) -> None:
+    """W rows *= s for the group's linears; the producer of their input (norm or previous linear)
+    divides by s, so the float layer computes the same function (AWQ and SmoothQuant)."""
+    for name in group.linears:
+        set_matrix(layer, name, matrix(layer, name) * s[:, None])
+    if group.norm is not None:
+        norm = getattr(layer, group.norm)
+        norm.scale[...] = (norm.scale[...].astype(jnp.float32) / s).astype(norm.scale.dtype)
+        return
+    assert group.prev is not None
+    set_matrix(layer, group.prev, matrix(layer, group.prev) / s[None, :])
+    bias = getattr(layer.attn, "v_bias", None) if group.prev == "attn.v_proj" else None
+    if bias is not None:
+        bias[...] = (bias[...].astype(jnp.float32) / s.reshape(bias.shape)).astype(bias.dtype)
+
+
 def calibration_documents(path: str | Path | None) -> list[str]:
     """Documents of a text/JSONL file (or directory); by default the KJV training split."""
     if path is None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxinfra.quant.qlinear import QuantizedLinear
 from jaxinfra.quant.rtn import QuantScheme, to_linear
-from pallas_kernels.quant_matmul_reference import unpack_int4
+from pallas_kernels.quant_matmul_reference import SYMMETRIC_ZERO, unpack_int4
 
 QUANT_METHODS = ("compressed-tensors", "awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i of a word holds column AWQ_ORDER[i]
@@ -41,8 +41,11 @@ class Neutral:
     @property
     def zero_grid(self) -> np.ndarray:
         """Zero points with the symmetric default filled in."""
-        z = 8 if self.bits == 4 else 0
-        return np.full(self.scales.shape, z, np.int32) if self.zeros is None else self.zeros.astype(np.int32)
+        return (
+            np.full(self.scales.shape, SYMMETRIC_ZERO[self.bits], np.int32)
+            if self.zeros is None
+            else self.zeros.astype(np.int32)
+        )
 
     @property
     def act_order(self) -> bool:
@@ -82,7 +85,7 @@ def to_quantized_linear(
         if np.any(counts != n.group_size):
             raise ValueError(f"g_idx groups are not all of size {n.group_size}")
         values = values[perm]
-    symmetric = n.zeros is None or bool(np.all(n.zeros == (8 if n.bits == 4 else 0)))
+    symmetric = n.zeros is None or bool(np.all(n.zeros == SYMMETRIC_ZERO[n.bits]))
     if n.bits == 8 and not symmetric:
         raise ValueError("8-bit weights with zero points are not supported (symmetric int8 only)")
     group = n.group_size
@@ -173,7 +176,7 @@ def ct_read(read: Callable[[str], np.ndarray], qcfg: dict[str, Any]) -> Neutral:
     zeros = None
     if not weights.get("symmetric", True):
         zp = unpack_rows(read("weight_zero_point"), bits)[: q.shape[1]] - offset  # packed along out
-        zeros = (zp.T + (8 if bits == 4 else 0)).astype(np.int32)
+        zeros = (zp.T + SYMMETRIC_ZERO[bits]).astype(np.int32)
     values = q + 8 if bits == 4 else q
     g = k // scales.shape[0]
     g_idx = read("weight_g_idx").astype(np.int32) if weights.get("actorder") == "group" else np.arange(k) // g
@@ -193,7 +196,7 @@ def ct_write(n: Neutral) -> dict[str, np.ndarray]:
         "weight_shape": np.array([out, k], np.int64),
     }
     if n.zeros is not None:
-        zp = n.zeros - (8 if n.bits == 4 else 0)
+        zp = n.zeros - SYMMETRIC_ZERO[n.bits]
         tensors["weight_zero_point"] = pack_rows(np.ascontiguousarray(zp.T) + offset, n.bits)
     if n.act_order:
         tensors["weight_g_idx"] = n.g_idx.astype(np.int32)

@@ -29,8 +29,4 @@ def smooth_layer(layer: DecoderLayer, capture, alpha: float) -> None:
             continue
         act_max = jnp.max(jnp.abs(inputs[group.name]), axis=0)
         w = jnp.concatenate([cal.matrix(layer, name) for name in group.linears], axis=1)
-        s = smoothing_scales(act_max, w, alpha)
-        for name in group.linears:
-            cal.set_matrix(layer, name, cal.matrix(layer, name) * s[:, None])
-        norm = getattr(layer, group.norm)
-        norm.scale[...] = (norm.scale[...].astype(jnp.float32) / s).astype(norm.scale.dtype)
+        cal.fold_scales(layer, group, smoothing_scales(act_max, w, alpha))

@@ -171,7 +171,7 @@ def _cmd_plan_train(args: argparse.Namespace) -> int:
         jax.config.update("jax_num_cpu_devices", args.devices)
     from jaxinfra.loading import load_config
     from jaxinfra.train.memory import format_report, memory_report
-    from sharding import PRESETS, MeshConfig
+    from sharding import AXES, PRESETS, MeshConfig
 
     mesh = MeshConfig(*(int(x) for x in args.mesh.split(",")))
     presets = sorted(PRESETS) if args.presets == "all" else args.presets.split(",")
@@ -180,7 +180,7 @@ def _cmd_plan_train(args: argparse.Namespace) -> int:
     train_cfg = TrainConfig(remat=args.remat, microbatches=args.microbatches)
     rows = memory_report(load_config(args.model), mesh, presets, args.batch, args.seq_len, train_cfg)
     print(
-        f"{args.model} on mesh (data, fsdp, tensor) = {mesh.shape(len(jax.devices()))}, "
+        f"{args.model} on mesh {dict(zip(AXES, mesh.shape(len(jax.devices())), strict=True))}, "
         f"batch {args.batch} x {args.seq_len} tokens, remat {args.remat}, {args.microbatches} microbatch(es)"
     )
     print(format_report(rows))

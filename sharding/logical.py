@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers")
+LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage")
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 
@@ -63,6 +63,24 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, x.shape, mesh)))
+
+
+def constrain_leading(x: jax.Array, name: str) -> jax.Array:
+    """Sharding constraint on dimension 0 only (by logical `name`); the other dimensions keep whatever
+    sharding the compiler picks. Identity when no rules are active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    lead = logical_to_spec((name,), rules, x.shape[:1], mesh)[0]
+    spec = PartitionSpec(lead, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def mesh_axis(name: str) -> str | tuple[str, ...] | None:
+    """The mesh axes the active rules map logical `name` to (None outside `logical_rules`)."""
+    active = _ACTIVE.get()
+    return None if active is None else active[1].get(name)
 
 
 def named_sharding(names: Sequence[str | None], rules: Rules, shape: Sequence[int], mesh: Mesh) -> NamedSharding:

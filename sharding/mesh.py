@@ -1,4 +1,5 @@
-"""Device meshes with axes (data, fsdp, tensor) from a small config; -1 fills the remaining devices."""
+"""Device meshes with axes (pipeline, data, fsdp, context, tensor) from a small config; -1 fills the
+remaining devices."""
 
 from __future__ import annotations
 
@@ -10,17 +11,23 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost (across hosts) to innermost
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+    """Sizes of the mesh axes: data and fsdp split the batch (fsdp also the weights), tensor the heads
+    and MLP, pipeline the decoder layers into stages, context the sequence."""
+
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
-        sizes = [self.data, self.fsdp, self.tensor]
+    def shape(self, num_devices: int) -> tuple[int, ...]:
+        """The axis sizes in AXES order."""
+        sizes = [getattr(self, a) for a in AXES]
         if sizes.count(-1) > 1:
             raise ValueError(f"MeshConfig: at most one axis may be -1, got {sizes}")
         if any(s == 0 or s < -1 for s in sizes):
@@ -32,17 +39,16 @@ class MeshConfig:
             sizes[sizes.index(-1)] = num_devices // known
         if math.prod(sizes) != num_devices:
             raise ValueError(f"MeshConfig {sizes} needs {math.prod(sizes)} devices, have {num_devices}")
-        data, fsdp, tensor = sizes
-        return data, fsdp, tensor
+        return tuple(sizes)
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: list[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh. Devices are ordered by process, so across hosts the outer data
-    axis spans processes and fsdp/tensor stay inside a host's fast interconnect."""
+    """A mesh over AXES. Devices are ordered by process, so across hosts the outer pipeline and data
+    axes span processes and fsdp/context/tensor stay inside a host's fast interconnect."""
     devices = list(devices if devices is not None else jax.devices())
     devices.sort(key=lambda d: (d.process_index, d.id))
     shape = config.shape(len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def initialize_distributed(
@@ -67,5 +73,5 @@ def tensor_parallel_mesh(size: int, num_kv_heads: int) -> Mesh:
 
 
 def parallel_sizes(mesh: Mesh) -> tuple[int, int]:
-    """(data-parallel ranks, tensor-parallel ranks) of a (data, fsdp, tensor) mesh."""
+    """(data-parallel ranks, tensor-parallel ranks) of a mesh over AXES."""
     return mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]

@@ -2,6 +2,8 @@
 
 A preset gives three tables: parameters, optimizer state (and, for zero2/fsdp, gradients), and
 activations. Model code only names logical axes; nothing outside `sharding/` names a mesh axis.
+Every preset also maps stacked layers to the pipeline axis and the sequence to the context axis;
+on a mesh where those axes have size 1 that changes nothing.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from sharding.logical import Rules
 
 DP = ("data", "fsdp")  # every data-parallel rank: the batch, and ZeRO's optimizer-state shards
 
-_ACTIVATIONS = {"batch": DP}
-_TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+_PP: Rules = {"layers": "pipeline", "stage": "pipeline"}  # stacked decoder layers and pipeline stages
+_ACTIVATIONS: Rules = {"batch": DP, "length": "context", **_PP}
+_TP: Rules = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +29,14 @@ class ShardingRules:
 
 
 PRESETS: dict[str, ShardingRules] = {
-    "dp": ShardingRules("dp", {}, {}, _ACTIVATIONS, False),
-    "zero1": ShardingRules("zero1", {}, {"embed": DP}, _ACTIVATIONS, False),
-    "zero2": ShardingRules("zero2", {}, {"embed": DP}, _ACTIVATIONS, True),
-    "fsdp": ShardingRules("fsdp", {"embed": DP}, {"embed": DP}, _ACTIVATIONS, True),
-    "tp": ShardingRules("tp", _TP, _TP, {**_ACTIVATIONS, **_TP}, False),
-    "fsdp_tp": ShardingRules("fsdp_tp", {**_TP, "embed": DP}, {**_TP, "embed": DP}, {**_ACTIVATIONS, **_TP}, True),
+    "dp": ShardingRules("dp", _PP, _PP, _ACTIVATIONS, False),
+    "zero1": ShardingRules("zero1", _PP, {**_PP, "embed": DP}, _ACTIVATIONS, False),
+    "zero2": ShardingRules("zero2", _PP, {**_PP, "embed": DP}, _ACTIVATIONS, True),
+    "fsdp": ShardingRules("fsdp", {**_PP, "embed": DP}, {**_PP, "embed": DP}, _ACTIVATIONS, True),
+    "tp": ShardingRules("tp", {**_PP, **_TP}, {**_PP, **_TP}, {**_ACTIVATIONS, **_TP}, False),
+    "fsdp_tp": ShardingRules(
+        "fsdp_tp", {**_PP, **_TP, "embed": DP}, {**_PP, **_TP, "embed": DP}, {**_ACTIVATIONS, **_TP}, True
+    ),
 }
 
 

@@ -119,7 +119,10 @@ class Attention(nnx.Module):
         inv_freq = inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        # every key and value of the row on each device: with the sequence split over the context
+        # axis this is one all-gather of K and one of V per layer (context parallelism)
+        k = constrain(k, ("batch", None, "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
         out, cache = attend(
             q,
             k,
@@ -295,10 +298,9 @@ class LlamaModel(nnx.Module):
     ) -> tuple[Float[Array, "B T E"], list | None]:
         """Final-norm hidden states (before the LM head) and the updated per-layer caches.
         `layer_stack`: run the layers from these stacked parameters instead of self.layers (scanned)."""
-        x = jnp.take(self.embed[...], input_ids, axis=0)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = self.embed_tokens(input_ids)
         if layer_stack is not None or (self.scan_layers and caches is None):
-            return self.norm(self._scanned_layers(x, positions, metadata, layer_stack)), None
+            return self.norm(self.run_layers(x, positions, metadata, layer_stack)), None
         new_caches: list | None = [] if caches is not None else None
         call = _layer_call if self.remat == "none" else nnx.remat(_layer_call, policy=REMAT_POLICIES[self.remat])
         for i, layer in enumerate(self.layers):
@@ -307,7 +309,10 @@ class LlamaModel(nnx.Module):
                 new_caches.append(cache)
         return self.norm(x), new_caches
 
-    def _scanned_layers(
+    def embed_tokens(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T E"]:
+        return constrain(jnp.take(self.embed[...], input_ids, axis=0), ("batch", "length", "embed"))
+
+    def run_layers(
         self,
         x: Float[Array, "B T E"],
         positions: Int[Array, "B T"],

@@ -32,6 +32,8 @@ class RunConfig:
     microbatches: int = 1  # gradient accumulation: the batch in this many pieces
     remat: str = "none"  # per decoder layer: none | full | save_dots
     scan_layers: bool = True  # the decoder layers as one lax.scan (compile time independent of depth)
+    pipeline_schedule: str = "gpipe"  # with mesh.pipeline > 1: gpipe | circular (microbatches = pipeline's)
+    pipeline_repeats: int = 2  # circular: chunks of layers per stage
     compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval_every: int = 100
@@ -56,7 +58,15 @@ class RunConfig:
 
     def train_config(self) -> TrainConfig:
         """What the sharded step takes."""
-        return TrainConfig(self.optim, self.microbatches, self.remat, self.compute_dtype, self.scan_layers)
+        return TrainConfig(
+            self.optim,
+            self.microbatches,
+            self.remat,
+            self.compute_dtype,
+            self.scan_layers,
+            self.pipeline_schedule,
+            self.pipeline_repeats,
+        )
 
 
 def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

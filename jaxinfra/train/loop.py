@@ -158,6 +158,12 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     eval_loss = None
     tic = time.perf_counter()
     profiler = StepProfiler(cfg.profile_steps, cfg.profile_start, out / "tb")
+    if trainer.pipeline is not None and chief:
+        pp = trainer.pipeline
+        print(
+            f"pipeline: {pp.stages} stages x {pp.microbatches} microbatches, {cfg.pipeline_schedule} "
+            f"({pp.repeats} chunk(s) of layers per stage), bubble fraction {pp.bubble_fraction():.3f}"
+        )
     for step in range(start, cfg.steps):
         profiler.before(step)
         state, metrics = trainer.step(state, trainer.place_local_batch(next(train_data), rows))

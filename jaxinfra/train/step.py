@@ -28,6 +28,7 @@ from jaxinfra.models.llama import (
     stack_layers,
     unstack_layers,
 )
+from jaxinfra.train.pipeline import SCHEDULES, PipelineSchedule, pipeline_lm_loss
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
 
@@ -56,8 +57,16 @@ class TrainConfig:
     remat: str = "none"
     compute_dtype: str = "bfloat16"
     scan_layers: bool = True  # one lax.scan over the decoder layers: compile time independent of depth
+    pipeline_schedule: str = "gpipe"  # on a mesh with pipeline > 1: gpipe | circular
+    pipeline_repeats: int = 2  # circular: chunks of layers per stage (microbatches loop this many times)
 
     def __post_init__(self) -> None:
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(
+                f"TrainConfig.pipeline_schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}"
+            )
+        if self.pipeline_repeats < 2 and self.pipeline_schedule == "circular":
+            raise ValueError(f"TrainConfig.pipeline_repeats must be >= 2 for circular, got {self.pipeline_repeats}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"TrainConfig.remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
         if self.microbatches < 1:
@@ -158,6 +167,7 @@ class Trainer:
     def __init__(self, model: LlamaModel, mesh: Mesh, rules: ShardingRules, cfg: TrainConfig) -> None:
         self.model_def = ModelDef(model, cfg.scan_layers)
         self.mesh, self.rules, self.cfg = mesh, rules, cfg
+        self.pipeline = pipeline_schedule(mesh, cfg, self.model_def)
         self.optimizer = make_optimizer(cfg.optim)
         params = jax.tree.map(_to_fp32, self.model_def.params_of(model))
         self.param_shardings = self.model_def.shardings(params, mesh, rules.params)
@@ -225,14 +235,22 @@ class Trainer:
         params = jax.tree.map(lambda p: p.astype(compute), params)
         model = self.model_def.build(params)  # its per-layer slices go unused (dead code) when scanned
         model.remat = self.cfg.remat  # per decoder layer
+        stack = self.model_def.layer_stack(params)
         with fused_projections():  # one input-gradient reduction for Q/K/V and one for gate/up under TP
-            return lm_loss(model, batch, self.model_def.layer_stack(params))
+            if self.pipeline is not None and stack is not None:
+                return pipeline_lm_loss(model, batch, stack, self.pipeline)
+            return lm_loss(model, batch, stack)
 
     def loss_and_grads(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params, jax.Array]:
         """Mean loss and gradients over the batch, accumulated over `microbatches` (traced in the step)."""
         micro = self.cfg.microbatches
-        rows = next(iter(batch.values())).shape[0]
-        self.check_batch(rows)
+        rows, length = next(iter(batch.values())).shape[:2]
+        self.check_batch(rows, length)
+        if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
+            (loss_sum, count), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
+            count = jnp.maximum(count, 1.0)
+            grads = jax.tree.map(lambda g: g / count, grads)
+            return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count
         # Strided: microbatch m takes rows m, m + micro, ... so each keeps an equal share of every
         # device's rows (consecutive row ranges would each live on a subset of the devices).
         split = jax.tree.map(lambda x: x.reshape(rows // micro, micro, *x.shape[1:]).swapaxes(0, 1), batch)
@@ -250,9 +268,15 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / count, grads)
         return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count
 
-    def check_batch(self, rows: int) -> None:
+    def check_batch(self, rows: int, length: int | None = None) -> None:
         """Batch rows must split into `microbatches` equal parts, each spread evenly over the devices
-        the batch is sharded across (otherwise every device would compute whole microbatches)."""
+        the batch is sharded across (otherwise every device would compute whole microbatches), and
+        the sequence evenly over the context axis."""
+        context = self.mesh.shape.get("context", 1)
+        if length is not None and length % context:
+            raise ValueError(
+                f"sequence length {length} does not split over the {context} devices of the context mesh axis"
+            )
         micro = self.cfg.microbatches
         shards = dim_shards(self.batch_sharding)
         if rows % micro or (rows // micro) % shards:
@@ -282,6 +306,20 @@ class Trainer:
             return loss, grads
 
         return jax.jit(fn)(state.params, batch)
+
+
+def pipeline_schedule(mesh: Mesh, cfg: TrainConfig, model_def: ModelDef) -> PipelineSchedule | None:
+    """The pipeline schedule of a mesh with a pipeline axis (None without one): `microbatches`
+    microbatches flow through it in one pass."""
+    stages = mesh.shape.get("pipeline", 1)
+    if stages == 1:
+        return None
+    if not model_def.scan:
+        raise ValueError("pipeline parallelism runs the stacked decoder layers: it needs scan_layers=True")
+    repeats = cfg.pipeline_repeats if cfg.pipeline_schedule == "circular" else 1
+    schedule = PipelineSchedule(stages, cfg.microbatches, repeats)
+    schedule.check_layers(model_def.num_layers)
+    return schedule
 
 
 def _to_fp32(x: Any) -> Any:

@@ -178,10 +178,11 @@ def _cmd_plan_train(args: argparse.Namespace) -> int:
     from jaxinfra.train import TrainConfig
 
     train_cfg = TrainConfig(remat=args.remat, microbatches=args.microbatches)
-    rows = memory_report(load_config(args.model), mesh, presets, args.batch, args.seq_len, train_cfg)
+    rows = memory_report(load_config(args.model), mesh, presets, args.batch, args.seq_len, train_cfg, args.attn_impl)
     print(
         f"{args.model} on mesh {dict(zip(AXES, mesh.shape(len(jax.devices())), strict=True))}, "
-        f"batch {args.batch} x {args.seq_len} tokens, remat {args.remat}, {args.microbatches} microbatch(es)"
+        f"batch {args.batch} x {args.seq_len} tokens, remat {args.remat}, {args.microbatches} microbatch(es), "
+        f"attention {args.attn_impl}"
     )
     print(format_report(rows))
     return 0
@@ -232,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=int, default=512)
     plan.add_argument("--remat", choices=("none", "full", "save_dots"), default="none")
     plan.add_argument("--microbatches", type=int, default=1)
+    plan.add_argument(
+        "--attn-impl",
+        choices=("pallas", "cudnn", "xla", "reference"),
+        default="pallas",
+        help="for the activation estimate: flash kernels keep O(T) per head, the others the float32 scores",
+    )
     plan.add_argument("--devices", type=int, default=None, help="virtual CPU devices to plan for (CPU only)")
     plan.set_defaults(func=_cmd_plan_train)
 

@@ -71,7 +71,7 @@ def test_plan_report_matches_arrays_and_zero_accounting(report):
         for part in ("params", "grads", "optimizer"):
             # analytic ignores that tiny vectors (norms) and the Adam step counter stay replicated
             assert abs(row[part] - row[f"analytic_{part}"]) <= 0.05 * row[f"analytic_{part}"] + 2048, (row, part)
-        assert row["activations"] > 0
+        assert row["activations"] > 0 and row["xla_temp"] > 0
     assert "shards over the tensor axis" in report["tp_without_tensor_axis"]  # not silently dp numbers
 
 

@@ -65,13 +65,12 @@ def activation_bytes(
     a = jnp.dtype(compute_dtype).itemsize
     e, m, h, kh, d, v = (
         cfg.hidden_size,
-        cfg.intermediate_size,
+        cfg.intermediate_size / tensor,
         cfg.num_heads / tensor,
         cfg.num_kv_heads / tensor,
         cfg.head_dim,
         cfg.vocab_size / tensor,
     )
-    m /= tensor
     n = rows * seq_len / context  # tokens this device holds
     scores = 0.0 if attn_impl in FLASH_IMPLS else rows * h * (seq_len / context) * seq_len
     if remat == "full":
@@ -100,6 +99,8 @@ def measured_activation_bytes(trainer: Trainer, rows: int, seq_len: int) -> int:
 
         params = jax.eval_shape(lambda: trainer._params)
         stats = jax.jit(forward).lower(params, batch).compile().memory_analysis()
+        if stats is None:
+            raise ValueError("this backend's compiler reports no memory analysis")
         return int(stats.output_size_in_bytes)
 
     return residual_bytes(2 * rows) - residual_bytes(rows)

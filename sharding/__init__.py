@@ -9,6 +9,7 @@ from sharding.logical import (
     logical_to_spec,
     mesh_axis,
     named_sharding,
+    per_device,
     shard_state,
 )
 from sharding.mesh import AXES, MeshConfig, initialize_distributed, make_mesh, parallel_sizes, tensor_parallel_mesh
@@ -31,6 +32,7 @@ __all__ = [
     "mesh_axis",
     "named_sharding",
     "parallel_sizes",
+    "per_device",
     "shard_state",
     "tensor_parallel_mesh",
 ]

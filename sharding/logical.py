@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -81,6 +81,21 @@ def mesh_axis(name: str) -> str | tuple[str, ...] | None:
     """The mesh axes the active rules map logical `name` to (None outside `logical_rules`)."""
     active = _ACTIVE.get()
     return None if active is None else active[1].get(name)
+
+
+def per_device(
+    fn: Callable[..., jax.Array], args: Sequence[jax.Array], names: Sequence[Sequence[str | None]], out: int = 0
+) -> jax.Array:
+    """`fn(*args)` run on each device's shards (jax.shard_map), every arg split by its logical
+    `names` under the active rules, the result laid out like `args[out]`; plain `fn(*args)` when no
+    rules are active. For kernels the compiler cannot partition (a pallas_call would otherwise be
+    computed whole on every device)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return fn(*args)
+    mesh, rules = active
+    specs = tuple(logical_to_spec(n, rules, a.shape, mesh) for a, n in zip(args, names, strict=True))
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[out], check_vma=False)(*args)
 
 
 def named_sharding(names: Sequence[str | None], rules: Rules, shape: Sequence[int], mesh: Mesh) -> NamedSharding:

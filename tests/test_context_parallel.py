@@ -13,7 +13,9 @@ import pytest
 def test_context_parallel_loss_and_gradients_equal_one_device():
     """Sequence 2048 over 4 devices (K/V all-gathered per layer), with and without packed segments:
     loss and every gradient equal the unsharded model's; each device's layer activations hold a
-    quarter of the sequence; a length that does not split over the axis is refused."""
+    quarter of the sequence; a length that does not split over the axis is refused. The same with
+    our flash kernel (interpret mode, sequence 512) run per device under shard_map, and the kernel
+    under shard_map on a 2 data x 2 tensor mesh."""
     script = Path(__file__).parent / "sharding" / "context_check.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -27,5 +29,6 @@ def test_context_parallel_loss_and_gradients_equal_one_device():
             g, c = np.asarray(g), np.asarray(context["grads"][path])
             assert np.abs(g).max() > 0, (name, path)
             np.testing.assert_allclose(c, g, rtol=1e-4, atol=1e-6 * np.abs(g).max(), err_msg=f"{name} {path}")
-        assert context["layer_input_sharded"], name
-        assert context["kv_gathers"] >= 2, name  # K and V gathered over the whole sequence
+        if name != "flash_dp_tp":
+            assert context["layer_input_sharded"], name
+            assert context["kv_gathers"] >= 2, name  # K and V gathered over the whole sequence

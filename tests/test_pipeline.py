@@ -56,8 +56,9 @@ def test_pipeline_needs_scanned_layers():
 @pytest.mark.slow
 def test_pipeline_trains_like_no_pipeline():
     """4 stages x 2 data on 8 devices, 4 microbatches, 8 layers, packed rows with segment ids: 20 steps
-    of GPipe, circular (2 repeats) and GPipe with fsdp + full remat give the loss curve of 2-way data
-    parallelism without a pipeline (rtol 1e-5); each device holds only its stage's layers."""
+    of GPipe, circular (2 repeats), GPipe with fsdp + full remat and circular with 2-way tensor
+    parallelism give the loss curve of 2-way data parallelism without a pipeline (rtol 1e-5); each
+    device holds only its stage's layers."""
     script = Path(__file__).parent / "sharding" / "pipeline_check.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -14,6 +14,7 @@ from flax import nnx, traverse_util
 from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
+from jaxinfra.models.dense_attention import dense_attention
 from jaxinfra.models.rope import apply_rope, inverse_frequencies
 from jaxinfra.quant.qlinear import Weight, linear
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
@@ -123,17 +124,13 @@ class Attention(nnx.Module):
         # axis this is one all-gather of K and one of V per layer (context parallelism)
         k = constrain(k, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
-        out, cache = attend(
-            q,
-            k,
-            v,
-            metadata,
-            cache,
-            sliding_window=self.cfg.sliding_window,
-            logit_softcap=self.cfg.attn_logit_softcap,
-            impl=self.attn_impl,
+        options: dict[str, Any] = dict(
+            sliding_window=self.cfg.sliding_window, logit_softcap=self.cfg.attn_logit_softcap
         )
-        return out, cache
+        if isinstance(metadata, DenseMetadata) and cache is None:  # whole rows: sharded by the active rules
+            out = dense_attention(q, k, v, metadata.segment_ids, causal=metadata.causal, impl=self.attn_impl, **options)
+            return out, None
+        return attend(q, k, v, metadata, cache, impl=self.attn_impl, **options)
 
     def __call__(
         self,

@@ -30,33 +30,34 @@ CFG = ModelConfig(
 SEQ = 2048
 
 
-def batch(segments: bool, rows: int = 2) -> dict:
+def batch(segments: bool, seq: int = SEQ, rows: int = 2) -> dict:
     rng = np.random.default_rng(1)
-    ids = rng.integers(0, CFG.vocab_size, (rows, SEQ + 1))
-    out = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=(rng.random((rows, SEQ)) < 0.9).astype(np.int32))
-    if segments:  # packed documents of random lengths, positions restarting in each
-        seg = np.cumsum(rng.random((rows, SEQ)) < 0.004, axis=1).astype(np.int32)
+    ids = rng.integers(0, CFG.vocab_size, (rows, seq + 1))
+    out = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=(rng.random((rows, seq)) < 0.9).astype(np.int32))
+    if segments:  # packed documents of random lengths (about 8 per row), positions restarting in each
+        seg = np.cumsum(rng.random((rows, seq)) < 8 / seq, axis=1).astype(np.int32)
         pos = np.zeros_like(seg)
         for r in range(rows):
-            for t in range(1, SEQ):
+            for t in range(1, seq):
                 pos[r, t] = 0 if seg[r, t] != seg[r, t - 1] else pos[r, t - 1] + 1
         out.update(segment_ids=seg, positions=pos)
     return out
 
 
-def run(mesh: MeshConfig, devices: int, segments: bool) -> dict:
+def run(mesh: MeshConfig, devices: int, segments: bool, impl: str = "reference", seq: int = SEQ) -> dict:
     cfg = TrainConfig(OptimConfig(warmup_steps=1, total_steps=10), compute_dtype="float32")
-    trainer = Trainer(LlamaModel(CFG, nnx.Rngs(0)), make_mesh(mesh, jax.devices()[:devices]), get_rules("fsdp"), cfg)
+    model = LlamaModel(CFG, nnx.Rngs(0), impl)
+    trainer = Trainer(model, make_mesh(mesh, jax.devices()[:devices]), get_rules("fsdp"), cfg)
     state = trainer.init_state()
-    b = trainer.shard_batch(batch(segments))
+    b = trainer.shard_batch(batch(segments, seq))
     loss, grads = trainer.gradients(state, b)
     hlo = trainer.step.lower(state, b).compile().as_text()
     gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
     return {
         "loss": float(loss),
         "grads": {"/".join(map(str, k)): np.asarray(v).tolist() for k, v in flat(grads)},
-        "layer_input_sharded": f"f32[2,{SEQ // 4},32]" in hlo,  # a quarter of the sequence per device
-        "kv_gathers": sum(f",{SEQ}," in g for g in gathers),
+        "layer_input_sharded": f"f32[2,{seq // 4},32]" in hlo,  # a quarter of the sequence per device
+        "kv_gathers": sum(f",{seq}," in g for g in gathers),
     }
 
 
@@ -87,6 +88,14 @@ def main() -> None:
         name = "segments" if segments else "plain"
         single, context = run(MeshConfig(data=1), 1, segments), run(MeshConfig(data=1, context=4), 4, segments)
         report[name] = {"single": single, "context": context}
+        # our flash kernel (interpret mode) per device under shard_map, sequence 512 over 4 devices
+        single = run(MeshConfig(data=1), 1, segments, "reference", 512)
+        report[f"flash_{name}"] = {
+            "single": single,
+            "context": run(MeshConfig(data=1, context=4), 4, segments, "pallas", 512),
+        }
+    single = run(MeshConfig(data=1), 1, True, "reference", 512)  # flash per device under data x tensor
+    report["flash_dp_tp"] = {"single": single, "context": run(MeshConfig(data=2, tensor=2), 4, True, "pallas", 512)}
     report["indivisible"] = indivisible()
     json.dump(report, sys.stdout)
 

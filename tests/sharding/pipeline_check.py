@@ -80,6 +80,7 @@ def main() -> None:
         "gpipe": run(MeshConfig(data=2, pipeline=4), 8, "dp", "gpipe"),
         "circular": run(MeshConfig(data=2, pipeline=4), 8, "dp", "circular"),
         "gpipe_fsdp_remat": run(MeshConfig(data=1, fsdp=2, pipeline=4), 8, "fsdp", "gpipe", "full"),
+        "circular_tp": run(MeshConfig(data=1, tensor=2, pipeline=4), 8, "tp", "circular"),
     }
     json.dump(report, sys.stdout)
 

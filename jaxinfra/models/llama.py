@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.dense_attention import dense_attention
+from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
 from jaxinfra.models.rope import apply_rope, inverse_frequencies
 from jaxinfra.quant.qlinear import Weight, linear
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
@@ -54,7 +55,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+        return scale(y.astype(x.dtype), self.scale[...])
 
 
 class Attention(nnx.Module):
@@ -100,7 +101,7 @@ class Attention(nnx.Module):
         kh, group = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
         q = wq[...].reshape(x.shape[-1], kh, group, -1)
         w = jnp.concatenate([q, wk[...][:, :, None], wv[...][:, :, None]], axis=2)
-        out = jnp.einsum("bte,ekgd->btkgd", x, constrain(w, ("embed", "kv_heads", None, "head_dim")))
+        out = weight_einsum("bte,ekgd->btkgd", x, w, names=("embed", "kv_heads", None, "head_dim"))
         b, t = x.shape[:2]
         return out[:, :, :, :group].reshape(b, t, kh * group, -1), out[:, :, :, group], out[:, :, :, group + 1]
 
@@ -114,7 +115,7 @@ class Attention(nnx.Module):
         """Per-head attention output, before the output projection (what o_proj sees)."""
         q, k, v = self._qkv(x)
         if self.cfg.qkv_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            q, k, v = add_bias(q, self.q_bias[...]), add_bias(k, self.k_bias[...]), add_bias(v, self.v_bias[...])
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
@@ -145,7 +146,7 @@ class Attention(nnx.Module):
     def project(self, out: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
         """The output projection (and its bias) of per-head attention outputs."""
         y = linear("bthd,hde->bte", out, self.o_proj)
-        return y + self.o_bias[...] if self.cfg.o_bias else y
+        return add_bias(y, self.o_bias[...]) if self.cfg.o_bias else y
 
 
 class MLP(nnx.Module):
@@ -164,8 +165,8 @@ class MLP(nnx.Module):
     def hidden(self, x: Float[Array, "B T E"]) -> Float[Array, "B T M"]:
         """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul when fused)."""
         if _FUSED.get() and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
-            w = constrain(jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=1), ("embed", None, "mlp"))
-            out = jnp.einsum("bte,ecm->btcm", x, w)
+            w = jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=1)
+            out = weight_einsum("bte,ecm->btcm", x, w, names=("embed", None, "mlp"))
             gate, up = out[:, :, 0], out[:, :, 1]
         else:
             gate, up = linear("bte,em->btm", x, self.gate_proj), linear("bte,em->btm", x, self.up_proj)
@@ -278,6 +279,7 @@ class LlamaModel(nnx.Module):
         self.cfg = cfg
         self.remat = "none"
         self.scan_layers = False
+        self.compute_dtype: str | None = None  # activations' dtype when the weights are kept float32
         std, dt = cfg.initializer_range, cfg.dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), std, dt)
         self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl) for _ in range(cfg.num_layers)])
@@ -307,7 +309,10 @@ class LlamaModel(nnx.Module):
         return self.norm(x), new_caches
 
     def embed_tokens(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T E"]:
-        return constrain(jnp.take(self.embed[...], input_ids, axis=0), ("batch", "length", "embed"))
+        """Embedding rows, cast to `compute_dtype` when the weights are float32 masters."""
+        x = jnp.take(self.embed[...], input_ids, axis=0)
+        x = x if self.compute_dtype is None else x.astype(self.compute_dtype)
+        return constrain(x, ("batch", "length", "embed"))
 
     def run_layers(
         self,
@@ -331,8 +336,12 @@ class LlamaModel(nnx.Module):
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (tied to the embedding when configured), float32 output."""
-        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+        rows = h.reshape(-1, h.shape[-1])
+        if self.cfg.tie_word_embeddings:
+            logits = weight_einsum("ne,ve->nv", rows, self.embed[...], jnp.float32)
+        else:
+            logits = weight_einsum("ne,ev->nv", rows, self.lm_head[...], jnp.float32)
+        return logits.reshape(*h.shape[:-1], logits.shape[-1])
 
     def forward(
         self,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from jaxinfra.models.mixed_precision import weight_einsum
 from pallas_kernels.dispatch import default_impl
 from pallas_kernels.quant_matmul import int8_matmul, weight_only_matmul
 from pallas_kernels.quant_matmul_reference import (
@@ -114,4 +115,4 @@ def linear(spec: str, x: jax.Array, w: Weight) -> jax.Array:
     """A projection: `jnp.einsum(spec, x, w)` for a dense weight, the quantized matmul otherwise."""
     if isinstance(w, QuantizedLinear):
         return w(x)
-    return jnp.einsum(spec, x, w[...])
+    return weight_einsum(spec, x, w[...])

@@ -35,6 +35,7 @@ class RunConfig:
     pipeline_schedule: str = "gpipe"  # with mesh.pipeline > 1: gpipe | circular (microbatches = pipeline's)
     pipeline_repeats: int = 2  # circular: chunks of layers per stage
     compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
+    grad_reduce_dtype: str = "float32"  # float32 | compute: dtype weight gradients are summed across devices in
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval_every: int = 100
     eval_batches: int = 8  # global batches of the held-out split per evaluation
@@ -66,6 +67,7 @@ class RunConfig:
             self.scan_layers,
             self.pipeline_schedule,
             self.pipeline_repeats,
+            self.grad_reduce_dtype,
         )
 
 

@@ -59,8 +59,16 @@ class TrainConfig:
     scan_layers: bool = True  # one lax.scan over the decoder layers: compile time independent of depth
     pipeline_schedule: str = "gpipe"  # on a mesh with pipeline > 1: gpipe | circular
     pipeline_repeats: int = 2  # circular: chunks of layers per stage (microbatches loop this many times)
+    # float32: weights stay float32 masters into the model (cast at each use), so weight gradients
+    # leave their matmuls, and cross the devices, in float32; compute: weights cast to compute_dtype
+    # first, gradients reduced in it (half the bytes on the wire)
+    grad_reduce_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.grad_reduce_dtype not in ("float32", "compute"):
+            raise ValueError(
+                f"TrainConfig.grad_reduce_dtype must be float32 or compute, got {self.grad_reduce_dtype!r}"
+            )
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(
                 f"TrainConfig.pipeline_schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}"
@@ -232,9 +240,12 @@ class Trainer:
 
     def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         compute = jnp.dtype(self.cfg.compute_dtype)
-        params = jax.tree.map(lambda p: p.astype(compute), params)
+        masters = self.cfg.grad_reduce_dtype == "float32" and compute != jnp.float32
+        if not masters:
+            params = jax.tree.map(lambda p: p.astype(compute), params)
         model = self.model_def.build(params)  # its per-layer slices go unused (dead code) when scanned
         model.remat = self.cfg.remat  # per decoder layer
+        model.compute_dtype = self.cfg.compute_dtype if masters else None
         stack = self.model_def.layer_stack(params)
         with fused_projections():  # one input-gradient reduction for Q/K/V and one for gate/up under TP
             if self.pipeline is not None and stack is not None:

@@ -13,14 +13,14 @@ from jaxinfra.train import TrainConfig
 
 @pytest.mark.slow
 def test_gradients_are_reduced_in_float32_unless_asked_otherwise():
-    """fsdp (8-way) and zero2 (8 data) steps with bfloat16 compute and 2 microbatches, read right after
+    """An fsdp step (2 data x 4 fsdp) with bfloat16 compute and 2 microbatches, read right after
     SPMD partitioning: with grad_reduce_dtype=float32 no reduction is bfloat16; with `compute` the
     weight gradients are summed in bfloat16. Loss and gradients agree between the two."""
     script = Path(__file__).parent / "sharding" / "grad_reduce_check.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
-    for preset in ("fsdp", "zero2"):
+    for preset in ("fsdp",):
         master, compute = report[f"{preset}/float32"], report[f"{preset}/compute"]
         assert not [k for k in master["counts"] if k.endswith("bf16")], master["counts"]
         assert compute["counts"].get("all-reduce bf16", 0) + compute["counts"].get("reduce-scatter bf16", 0) > 0

@@ -48,10 +48,10 @@ def test_activation_estimate_within_20_percent_of_compiled(name, remat):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
-def test_activation_estimate_with_flash_attention(remat):
-    """Our flash kernel (interpret mode) keeps only its output and log-sum-exp."""
-    check("gqa4", remat, "pallas")
+def test_activation_estimate_with_flash_attention():
+    """Our flash kernel (interpret mode) keeps only its output and log-sum-exp (the policies that
+    rematerialize attention do not depend on the kernel)."""
+    check("gqa4", "none", "pallas")
 
 
 def test_remat_policies_order_and_sharding_divides():

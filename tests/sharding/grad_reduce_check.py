@@ -48,7 +48,7 @@ def reductions(preset: str, mesh: MeshConfig, grad_reduce_dtype: str) -> dict:
 def main() -> None:
     report = {
         f"{preset}/{dtype}": reductions(preset, mesh, dtype)
-        for preset, mesh in (("fsdp", MeshConfig(data=1, fsdp=8)), ("zero2", MeshConfig(data=8)))
+        for preset, mesh in (("fsdp", MeshConfig(data=2, fsdp=4)),)
         for dtype in ("float32", "compute")
     }
     json.dump(report, sys.stdout)

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 from flax import nnx
@@ -98,19 +99,31 @@ def mesh_axis(name: str) -> str | tuple[str, ...] | None:
     return None if active is None else active[1].get(name)
 
 
+Names = Sequence[str | None]
+NamesOf = Names | Callable[[jax.Array], Names]  # names of one array, or of each leaf of a pytree
+
+
 def per_device(
-    fn: Callable[..., jax.Array], args: Sequence[jax.Array], names: Sequence[Sequence[str | None]], out: int = 0
-) -> jax.Array:
-    """`fn(*args)` run on each device's shards (jax.shard_map), every arg split by its logical
-    `names` under the active rules, the result laid out like `args[out]`; plain `fn(*args)` when no
-    rules are active. For kernels the compiler cannot partition (a pallas_call would otherwise be
-    computed whole on every device)."""
+    fn: Callable[..., Any], args: Sequence[Any], names: Sequence[NamesOf], out: int | tuple[int, ...] = 0
+) -> Any:
+    """`fn(*args)` run on each device's shards (jax.shard_map), each arg split by its logical names
+    (a pytree arg: by a function of each leaf) under the active rules; the result laid out like
+    `args[out]` (a tuple of results: like each of those args). Plain `fn(*args)` when no rules are
+    active. For kernels the compiler cannot partition: a pallas_call would otherwise be computed
+    whole on every device, its sharded inputs gathered first."""
     active = _ACTIVE.get()
     if active is None:
         return fn(*args)
     mesh, rules = active
-    specs = tuple(logical_to_spec(n, rules, a.shape, mesh) for a, n in zip(args, names, strict=True))
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[out], check_vma=False)(*args)
+
+    def specs(tree: Any, n: NamesOf) -> Any:
+        if callable(n):
+            return jax.tree.map(lambda x: logical_to_spec(n(x), rules, x.shape, mesh), tree)
+        return logical_to_spec(n, rules, tree.shape, mesh)
+
+    in_specs = tuple(specs(a, n) for a, n in zip(args, names, strict=True))
+    out_specs = in_specs[out] if isinstance(out, int) else tuple(in_specs[i] for i in out)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def named_sharding(names: Sequence[str | None], rules: Rules, shape: Sequence[int], mesh: Mesh) -> NamedSharding:

@@ -14,9 +14,9 @@ from flax import nnx, traverse_util
 from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
-from jaxinfra.models.dense_attention import dense_attention
 from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
 from jaxinfra.models.rope import apply_rope, inverse_frequencies
+from jaxinfra.models.sharded_attention import cached_attention, dense_attention
 from jaxinfra.quant.qlinear import Weight, linear
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
 from sharding import constrain
@@ -131,7 +131,9 @@ class Attention(nnx.Module):
         if isinstance(metadata, DenseMetadata) and cache is None:  # whole rows: sharded by the active rules
             out = dense_attention(q, k, v, metadata.segment_ids, causal=metadata.causal, impl=self.attn_impl, **options)
             return out, None
-        return attend(q, k, v, metadata, cache, impl=self.attn_impl, **options)
+        if cache is None:
+            return attend(q, k, v, metadata, cache, impl=self.attn_impl, **options)
+        return cached_attention(q, k, v, metadata, cache, impl=self.attn_impl, **options)
 
     def __call__(
         self,

@@ -1,5 +1,5 @@
 """On 8 virtual CPU devices: the engine with weights (dense, then int4) and KV pools split over 8
-(tensor) equals one device."""
+(tensor) equals one device, with the XLA paged attention and with our Pallas kernels run per device."""
 
 import jax
 
@@ -27,7 +27,7 @@ cfg = ModelConfig(
 prompts = [np.random.default_rng(i).integers(0, 512, n).tolist() for i, n in enumerate((5, 23, 9, 14))]
 
 
-def serve_and_compare(model: LlamaModel) -> jax.Array:
+def serve_and_compare(model: LlamaModel, attn_impl: str | None = None) -> jax.Array:
     """Greedy tokens of the engine on 1 and 8 devices equal the dense reference; returns a 8-way weight."""
     outs = {}
     weight = None
@@ -42,6 +42,7 @@ def serve_and_compare(model: LlamaModel) -> jax.Array:
                 max_num_batched_tokens=16,
                 num_gpu_blocks_override=48,
                 tensor_parallel_size=tp,
+                attn_impl=attn_impl,
             ),
         )
         for i, p in enumerate(prompts):
@@ -68,4 +69,5 @@ quantized = LlamaModel(cfg, nnx.Rngs(0))
 quantize_model(quantized, None, QuantizeConfig(method="rtn", bits=4, group_size=32, symmetric=False))
 packed = serve_and_compare(quantized)  # int4 weights shard like the dense ones: [K/2, N] over N
 assert packed.dtype == np.uint8 and packed.addressable_shards[0].data.shape == (32, 16), packed.sharding
+serve_and_compare(LlamaModel(cfg, nnx.Rngs(0)), "pallas")  # our paged kernels (interpreted) per device
 print("TP_OK")

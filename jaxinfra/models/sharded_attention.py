@@ -1,9 +1,10 @@
-"""Self-attention over whole rows (training, scoring) on a sharded mesh.
+"""Attention on a sharded mesh. XLA partitions jnp code itself; our Pallas kernels are opaque to
+it (it would gather their sharded inputs and compute them whole on every device), so they run per
+device under shard_map.
 
-XLA partitions the jnp and cuDNN paths itself. Our Pallas flash kernel is opaque to it, so it runs
-per device under shard_map: batch over the data axes, heads over the tensor axis, and with the
-sequence split over the context axis, each device's queries against the whole (all-gathered)
-sequence of keys. The kernel aligns queries to the end of the keys; a device holding query chunk i
+Whole rows (training, scoring), with the flash kernel: batch over the data axes, heads over the
+tensor axis, and with the sequence split over the context axis, each device's queries against the
+whole (all-gathered) sequence of keys. The kernel aligns queries to the end of the keys; a device holding query chunk i
 of C therefore sees the keys rotated so that key (i + 1) x chunk - 1 comes last, with the rotated-in
 future keys masked through their segment ids. Every device then scans all T keys (no causal
 skipping across chunks): exact, at up to twice the ideal attention FLOPs.
@@ -17,7 +18,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels import default_impl, dot_product_attention, flash_attention
+from pallas_kernels import (
+    AttentionMetadata,
+    KVCache,
+    PagedKVCache,
+    attend,
+    default_impl,
+    dot_product_attention,
+    flash_attention,
+)
 from sharding import mesh_axis, per_device
 
 _MASKED = -1  # segment id of rotated-in future keys (real segment ids are >= 0)
@@ -59,3 +68,32 @@ def dense_attention(
     rows = ("batch", "length", "heads", "head_dim")
     keys = ("batch", None, "kv_heads", "head_dim")
     return per_device(local, (q, k, v, seg, seg), (rows, keys, keys, ("batch", "length"), ("batch", None)))
+
+
+def cached_attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B T KH D"],
+    v: Float[Array, "B T KH D"],
+    metadata: AttentionMetadata,
+    cache: KVCache | PagedKVCache,
+    *,
+    impl: str | None,
+    **options: Any,
+) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache]:
+    """`attend` with a KV cache (serving): under tensor parallelism each device writes and reads its
+    own KV heads' pools with its query heads; the metadata (block tables, lengths) is replicated."""
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, metadata: Any) -> tuple[jax.Array, Any]:
+        out, new_cache = attend(q, k, v, metadata, cache, impl=impl, **options)
+        return out, new_cache
+
+    rows = ("batch", "length", "heads", "head_dim")
+    new_kv = ("batch", "length", "kv_heads", "head_dim")
+
+    def pool(x: jax.Array) -> tuple[str | None, ...]:  # [blocks, block size, KV heads, D] and scales
+        return (None, None, "kv_heads", "head_dim")[: x.ndim]
+
+    def replicated(x: jax.Array) -> tuple[None, ...]:
+        return (None,) * x.ndim
+
+    return per_device(local, (q, k, v, cache, metadata), (rows, new_kv, new_kv, pool, replicated), out=(0, 3))

@@ -12,6 +12,7 @@ from sharding.logical import (
     named_sharding,
     per_device,
     shard_state,
+    sharded_axes,
 )
 from sharding.mesh import AXES, MeshConfig, initialize_distributed, make_mesh, parallel_sizes, tensor_parallel_mesh
 from sharding.rules import PRESETS, ShardingRules, get_rules
@@ -36,5 +37,6 @@ __all__ = [
     "parallel_sizes",
     "per_device",
     "shard_state",
+    "sharded_axes",
     "tensor_parallel_mesh",
 ]

@@ -104,13 +104,18 @@ NamesOf = Names | Callable[[jax.Array], Names]  # names of one array, or of each
 
 
 def per_device(
-    fn: Callable[..., Any], args: Sequence[Any], names: Sequence[NamesOf], out: int | tuple[int, ...] = 0
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    names: Sequence[NamesOf],
+    out: int | tuple[int, ...] = 0,
+    result: tuple[Names, Sequence[int]] | None = None,
 ) -> Any:
     """`fn(*args)` run on each device's shards (jax.shard_map), each arg split by its logical names
     (a pytree arg: by a function of each leaf) under the active rules; the result laid out like
-    `args[out]` (a tuple of results: like each of those args). Plain `fn(*args)` when no rules are
-    active. For kernels the compiler cannot partition: a pallas_call would otherwise be computed
-    whole on every device, its sharded inputs gathered first."""
+    `args[out]` (a tuple of results: like each of those args), or by `result` = (its names, its
+    global shape). Plain `fn(*args)` when no rules are active. For kernels the compiler cannot
+    partition: a pallas_call would otherwise be computed whole on every device, its sharded inputs
+    gathered first."""
     active = _ACTIVE.get()
     if active is None:
         return fn(*args)
@@ -122,8 +127,24 @@ def per_device(
         return logical_to_spec(n, rules, tree.shape, mesh)
 
     in_specs = tuple(specs(a, n) for a, n in zip(args, names, strict=True))
-    out_specs = in_specs[out] if isinstance(out, int) else tuple(in_specs[i] for i in out)
+    out_specs: Any
+    if result is not None:
+        out_specs = logical_to_spec(result[0], rules, result[1], mesh)
+    else:
+        out_specs = in_specs[out] if isinstance(out, int) else tuple(in_specs[i] for i in out)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
+def sharded_axes(name: str | None, size: int) -> tuple[tuple[str, ...], int]:
+    """The mesh axes the active rules split a dimension of logical `name` and `size` over, and into
+    how many parts (none, 1 outside `logical_rules`)."""
+    active = _ACTIVE.get()
+    if active is None or name is None:
+        return (), 1
+    mesh, rules = active
+    spec = logical_to_spec((name,), rules, (size,), mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return axes, math.prod(mesh.shape[a] for a in axes)
 
 
 def named_sharding(names: Sequence[str | None], rules: Rules, shape: Sequence[int], mesh: Mesh) -> NamedSharding:

@@ -25,6 +25,7 @@ from pallas_kernels.quant_matmul_reference import (
     quantize_activations,
     weight_only_matmul_reference,
 )
+from sharding import per_device, sharded_axes
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)  # int4 groups the kernels take (per-channel int4 is stored as 128-row groups)
@@ -97,14 +98,42 @@ class QuantizedLinear(nnx.Module):
         if self.perm is not None:
             x2 = jnp.take(x2, self.perm[...], axis=1)
         pallas = (self.impl or default_impl()) == "pallas"
+        k_axis, n_axis = self.qweight.get_metadata()["logical_axes"]
+        scale_axes = self.scales.get_metadata()["logical_axes"]
+        k, n = x2.shape[1], self.qweight.shape[1]
         if self.act_bits == 8:
-            xq, xs = quantize_activations(x2)
+            xq, xs = quantize_activations(x2)  # per token over all of K (XLA reduces across K shards)
             matmul = int8_matmul if pallas else int8_matmul_reference
-            y = matmul(xq, xs, self.qweight[...], self.scales[...][0], out_dtype=x.dtype)
+            args = [xq, xs, self.qweight[...], self.scales[...][0]]
+            names = [(None, k_axis), (None,), (k_axis, n_axis), (n_axis,)]
+
+            def compute(*arrays: jax.Array) -> jax.Array:
+                xq, xs, qw, s = arrays
+                return matmul(xq, xs, qw, s, out_dtype=x.dtype)
+
         else:
-            zeros = None if self.zeros is None else self.zeros[...]
             wo_matmul = weight_only_matmul if pallas else weight_only_matmul_reference
-            y = wo_matmul(x2, self.qweight[...], self.scales[...], zeros, bits=self.bits)
+            args = [x2, self.qweight[...], self.scales[...]]
+            names = [(None, k_axis), (k_axis, n_axis), scale_axes]
+            if self.zeros is not None:
+                args.append(self.zeros[...])
+                names.append(scale_axes)
+
+            def compute(*arrays: jax.Array) -> jax.Array:
+                x2, qw, s, *z = arrays
+                return wo_matmul(x2, qw, s, z[0] if z else None, bits=self.bits)
+
+        k_axes, k_parts = sharded_axes(k_axis, k)
+        if self.scales.shape[0] > 1 and (k // k_parts) % self.group_size:
+            # a device's rows of K would not be whole groups (scales, packed pairs): XLA splits it
+            y = compute(*args)
+        else:  # each device its columns (N split) or its rows of K (then summed across devices)
+
+            def local(*arrays: jax.Array) -> jax.Array:
+                y = compute(*arrays)
+                return jax.lax.psum(y, k_axes) if k_axes else y
+
+            y = per_device(local, args, names, result=((None, n_axis), (x2.shape[0], n)))
         return y.reshape(*lead, *self.out_shape)
 
 

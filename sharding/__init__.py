@@ -3,8 +3,6 @@
 from sharding.logical import (
     LOGICAL_AXES,
     constrain,
-    constrain_leading,
-    constrain_mapped,
     dim_shards,
     logical_rules,
     logical_to_spec,
@@ -24,8 +22,6 @@ __all__ = [
     "MeshConfig",
     "ShardingRules",
     "constrain",
-    "constrain_leading",
-    "constrain_mapped",
     "dim_shards",
     "get_rules",
     "initialize_distributed",

@@ -55,21 +55,10 @@ def logical_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint on an activation by logical names; identity when no rules are active."""
-    if len(names) != x.ndim:
-        raise ValueError(f"{len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, x.shape, mesh)))
-
-
-def constrain_mapped(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Like `constrain`, but dimensions whose names the active rules do not map stay unconstrained
-    (the compiler picks) instead of replicated: for weights, whose FSDP gather should happen where
-    they are used, after any cast."""
+def constrain(x: jax.Array, names: Sequence[str | None], *, unmapped_free: bool = False) -> jax.Array:
+    """Sharding constraint on an activation by logical names; identity when no rules are active.
+    `unmapped_free`: dimensions the rules do not map stay unconstrained (the compiler picks) instead
+    of replicated: for weights, whose FSDP gather should happen where they are used, after any cast."""
     if len(names) != x.ndim:
         raise ValueError(f"{len(names)} logical names {tuple(names)} for an array of rank {x.ndim}")
     active = _ACTIVE.get()
@@ -77,19 +66,8 @@ def constrain_mapped(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     spec = logical_to_spec(names, rules, x.shape, mesh)
-    free = tuple(PartitionSpec.UNCONSTRAINED if s is None else s for s in spec)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*free)))
-
-
-def constrain_leading(x: jax.Array, name: str) -> jax.Array:
-    """Sharding constraint on dimension 0 only (by logical `name`); the other dimensions keep whatever
-    sharding the compiler picks. Identity when no rules are active."""
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
-    lead = logical_to_spec((name,), rules, x.shape[:1], mesh)[0]
-    spec = PartitionSpec(lead, *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1))
+    if unmapped_free:
+        spec = PartitionSpec(*(PartitionSpec.UNCONSTRAINED if s is None else s for s in spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

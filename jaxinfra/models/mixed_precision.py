@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from sharding import constrain_mapped
+from sharding import constrain
 
 Names = tuple[str | None, ...] | None
 
@@ -34,7 +34,7 @@ def weight_einsum(
 
 
 def _constrain(w: jax.Array, names: Names) -> jax.Array:
-    return w if names is None else constrain_mapped(w, names)
+    return w if names is None else constrain(w, names, unmapped_free=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxinfra.models.llama import LayerStack, LlamaModel
 from pallas_kernels import DenseMetadata
-from sharding import constrain, constrain_leading, mesh_axis
+from sharding import constrain, mesh_axis
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -75,7 +75,7 @@ def stage_layout(params: Any, schedule: PipelineSchedule) -> Any:
     def relayout(w: jax.Array) -> jax.Array:
         chunk = w.shape[0] // (p * v)
         w = w.reshape(v, p, chunk, *w.shape[1:]).swapaxes(0, 1)
-        return constrain_leading(w, "stage")
+        return constrain(w, ("stage",) + (None,) * (w.ndim - 1), unmapped_free=True)
 
     return jax.tree.map(relayout, params)
 

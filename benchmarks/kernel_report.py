@@ -214,6 +214,13 @@ def flash_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], tuple[S
         )
         grad = jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=False).sum(), (0, 1, 2))
         yield f"backward d{d} gqa4 T2048", grad, (q, kv, kv)
+    for d in () if quick else (64, 128):  # context parallelism: a device's 512 queries, a traced offset
+        chunk, offset = S((1, 512, 8, d), jnp.bfloat16), S((), jnp.int32)
+        kv = S((1, 2048, 2, d), jnp.bfloat16)
+        cp = jax.grad(
+            lambda q, k, v, o: flash_attention(q, k, v, q_offset=o, causal=True, interpret=False).sum(), (0, 1, 2)
+        )
+        yield f"backward d{d} gqa4 T512 of 2048, traced offset", cp, (chunk, kv, kv, offset)
 
 
 def quant_matmul_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], tuple[S, ...]]]:

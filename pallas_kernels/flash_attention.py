@@ -68,14 +68,10 @@ class _Static:
     has_segments: bool
     q_len: int  # true (unpadded) lengths
     kv_len: int
+    offset: int | None  # query i sits at key position i + offset; None: read at run time (traced)
     group: int  # query heads per tile (power of two dividing the GQA ratio)
     tokens: int  # query tokens per tile
     block_k: int
-
-    @property
-    def offset(self) -> int:
-        """Query i sits at key position i + offset (queries aligned to the end of the keys)."""
-        return self.kv_len - self.q_len
 
     @property
     def rows(self) -> int:
@@ -102,6 +98,7 @@ def _scores(
     kv0: jax.Array,
     q_seg: jax.Array | None,
     kv_seg: jax.Array | None,
+    offset: jax.Array,
     st: _Static,
 ) -> tuple[jax.Array, jax.Array]:
     """Masked base-2 logits [rows, block_k] and the capped natural logits (for the softcap grad)."""
@@ -109,7 +106,7 @@ def _scores(
     if st.softcap is not None:
         s = st.softcap * jnp.tanh(s / st.softcap)
     kv_idx = kv0 + lax.broadcasted_iota(jnp.int32, (st.block_k,), 0)
-    q_pos = (q_tok + st.offset)[:, None]
+    q_pos = (q_tok + offset)[:, None]
     mask = (kv_idx < st.kv_len)[None, :] & (q_tok < st.q_len)[:, None]
     if st.causal:
         mask &= kv_idx[None, :] <= q_pos
@@ -120,32 +117,37 @@ def _scores(
     return jnp.where(mask, s * LOG2E, -jnp.inf), s
 
 
-def _kv_range(tok0: jax.Array, tokens: int, num_kv_blocks: int, st: _Static) -> tuple[jax.Array, jax.Array]:
+def _kv_range(
+    tok0: jax.Array, tokens: int, num_kv_blocks: int, offset: jax.Array, st: _Static
+) -> tuple[jax.Array, jax.Array]:
     """The kv tiles a query tile can see (causal and window skip the others)."""
     lo, hi = jnp.int32(0), jnp.int32(num_kv_blocks)
     if st.causal:
-        last = tok0 + tokens + st.offset  # one past the last visible key
+        last = tok0 + tokens + offset  # one past the last visible key
         hi = jnp.clip(lax.div(jnp.maximum(last, 0) + st.block_k - 1, st.block_k), 0, num_kv_blocks)
     if st.window is not None:
-        first = jnp.maximum(tok0 + st.offset - st.window + 1, 0)
+        first = jnp.maximum(tok0 + offset - st.window + 1, 0)
         lo = jnp.minimum(lax.div(first, st.block_k), hi)
     return lo, hi
 
 
-def _q_range(kv0: jax.Array, block_k: int, num_q_blocks: int, st: _Static) -> tuple[jax.Array, jax.Array]:
+def _q_range(
+    kv0: jax.Array, block_k: int, num_q_blocks: int, offset: jax.Array, st: _Static
+) -> tuple[jax.Array, jax.Array]:
     """The query tiles that can see a kv tile."""
     lo, hi = jnp.int32(0), jnp.int32(num_q_blocks)
     if st.causal:
-        first = jnp.maximum(kv0 - st.offset, 0)
+        first = jnp.maximum(kv0 - offset, 0)
         lo = jnp.minimum(lax.div(first, st.tokens), num_q_blocks)
     if st.window is not None:
-        last = kv0 + block_k - 1 + st.window - 1 - st.offset  # last query that still sees this tile
+        last = kv0 + block_k - 1 + st.window - 1 - offset  # last query that still sees this tile
         hi = jnp.clip(lax.div(jnp.maximum(last, -1) + 1 + st.tokens - 1, st.tokens), lo, num_q_blocks)
     return lo, hi
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, st: _Static):
+def _forward_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *, st: _Static):
     tok0 = pl.program_id(2) * st.tokens
+    offset = _offset(off_ref, st)
     q = _rows(q_ref[...], st)
     q_tok = _row_tokens(tok0, st)
     q_seg = _row_segments(qseg_ref[...], st) if st.has_segments else None
@@ -157,10 +159,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *,
         k = k_ref[pl.ds(kv0, st.block_k), :]
         v = v_ref[pl.ds(kv0, st.block_k), :]
         kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments else None
-        s, _ = _scores(q, k, q_tok, kv0, q_seg, kv_seg, st)
+        s, _ = _scores(q, k, q_tok, kv0, q_seg, kv_seg, offset, st)
         return online_softmax_step(acc, m, l, s, v)
 
-    lo, hi = _kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, st)
+    lo, hi = _kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, offset, st)
     init = (
         jnp.zeros((st.rows, d), jnp.float32),
         jnp.full((st.rows,), -jnp.inf, jnp.float32),
@@ -174,9 +176,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref, *,
     lse_ref[...] = lse.reshape(st.tokens, st.group)
 
 
-def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, st: _Static):
+def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st: _Static):
     """Probabilities and the gradient of the natural (pre-scale) logits for one tile pair."""
-    s, capped = _scores(q, k, q_tok, kv0, q_seg, kv_seg, st)
+    s, capped = _scores(q, k, q_tok, kv0, q_seg, kv_seg, offset, st)
     p = jnp.exp2(s - lse[:, None])
     dp = dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
@@ -185,8 +187,11 @@ def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, st: _Static):
     return p, ds * st.scale
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *, st: _Static):
+def _dkdv_kernel(
+    off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *, st: _Static
+):
     kv0 = pl.program_id(2) * st.block_k
+    offset = _offset(off_ref, st)
     k, v = k_ref[...], v_ref[...]
     kv_seg = kvseg_ref[...] if st.has_segments else None
     d = k.shape[-1]
@@ -199,20 +204,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvse
         do = _rows(do_ref[sl, :, :], st)
         lse, delta = _rows(lse_ref[sl, :], st), _rows(delta_ref[sl, :], st)
         q_seg = _row_segments(qseg_ref[sl], st) if st.has_segments else None
-        p, ds = _ds(q, k, v, do, lse, delta, _row_tokens(tok0, st), kv0, q_seg, kv_seg, st)
+        p, ds = _ds(q, k, v, do, lse, delta, _row_tokens(tok0, st), kv0, q_seg, kv_seg, offset, st)
         dv += dot(p.astype(do.dtype), do, trans_a=True)
         dk += dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
-    lo, hi = _q_range(kv0, st.block_k, q_ref.shape[0] // st.tokens, st)
+    lo, hi = _q_range(kv0, st.block_k, q_ref.shape[0] // st.tokens, offset, st)
     zeros = jnp.zeros((st.block_k, d), jnp.float32)
     dk, dv = lax.fori_loop(lo, hi, body, (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *, st: _Static):
+def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *, st: _Static):
     tok0 = pl.program_id(2) * st.tokens
+    offset = _offset(off_ref, st)
     q, do = _rows(q_ref[...], st), _rows(do_ref[...], st)
     lse, delta = _rows(lse_ref[...], st), _rows(delta_ref[...], st)
     q_tok = _row_tokens(tok0, st)
@@ -223,10 +229,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_
         k = k_ref[pl.ds(kv0, st.block_k), :]
         v = v_ref[pl.ds(kv0, st.block_k), :]
         kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments else None
-        _, ds = _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, st)
+        _, ds = _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st)
         return dq + dot(ds.astype(k.dtype), k)
 
-    lo, hi = _kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, st)
+    lo, hi = _kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, offset, st)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((st.rows, q.shape[-1]), jnp.float32))
     dq_ref[...] = dq.reshape(st.tokens, st.group, -1).astype(dq_ref.dtype)
 
@@ -268,6 +274,14 @@ def _specs(st: _Static, tq: int, tk: int, d: int, nc: int, *, q_tiled: bool, kv_
     return q_spec, row_spec, kv_spec, qseg_spec, kvseg_spec
 
 
+_OFFSET_SPEC = pl.BlockSpec((1,), lambda *_: (0,))  # a traced query offset, one int32 read by every program
+
+
+def _offset(off_ref, st: _Static):
+    """The query offset: a compile-time constant unless it was traced."""
+    return off_ref[0] if st.offset is None else st.offset
+
+
 def _prepare(q, k, v, q_seg, kv_seg, st: _Static, block_k: int):
     """Pad lengths to tile multiples and view q as [B, T, head-chunks, group, D]."""
     b, t, h, d = q.shape
@@ -282,7 +296,7 @@ def _prepare(q, k, v, q_seg, kv_seg, st: _Static, block_k: int):
     return qp, kp, vp, q_seg, kv_seg, nc // kh
 
 
-def _forward(q, k, v, q_seg, kv_seg, st: _Static, blocks: BlockSizes, interpret: bool):
+def _forward(q, k, v, q_seg, kv_seg, offset, st: _Static, blocks: BlockSizes, interpret: bool):
     b, t, h, d = q.shape
     qp, kp, vp, q_seg, kv_seg, nc = _prepare(q, k, v, q_seg, kv_seg, st, st.block_k)
     tq, tk = qp.shape[1], kp.shape[1]
@@ -290,17 +304,17 @@ def _forward(q, k, v, q_seg, kv_seg, st: _Static, blocks: BlockSizes, interpret:
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, st=st),
         grid=(b, qp.shape[2], tq // st.tokens),
-        in_specs=[q_spec, kv_spec, kv_spec, qseg_spec, kvseg_spec],
+        in_specs=[_OFFSET_SPEC, q_spec, kv_spec, kv_spec, qseg_spec, kvseg_spec],
         out_specs=[q_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct(qp.shape[:4], jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="jaxinfra_flash_fwd",
-    )(qp, kp, vp, q_seg, kv_seg)
+    )(offset, qp, kp, vp, q_seg, kv_seg)
     return out.reshape(b, tq, h, d)[:, :t], lse
 
 
-def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static, blocks: BlockSizes, interpret: bool):
+def _backward(q, k, v, q_seg, kv_seg, offset, out, lse, do, st: _Static, blocks: BlockSizes, interpret: bool):
     b, t, h, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     bst = dataclasses.replace(st, tokens=max(blocks.block_q_bwd // st.group, 1), block_k=blocks.block_k_bwd)
@@ -319,13 +333,13 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static, blocks: BlockSi
     dk_part, dv_part = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=bst),
         grid=(b, chunks, tk // bst.block_k),
-        in_specs=[q_full, kv_tile, kv_tile, q_full, row_full, row_full, qseg_full, kvseg_tile],
+        in_specs=[_OFFSET_SPEC, q_full, kv_tile, kv_tile, q_full, row_full, row_full, qseg_full, kvseg_tile],
         out_specs=[part_spec, part_spec],
         out_shape=[jax.ShapeDtypeStruct((b, tk, chunks, d), jnp.float32)] * 2,
         compiler_params=params,
         interpret=interpret,
         name="jaxinfra_flash_dkdv",
-    )(qp, kp, vp, dop, lse_p, delta, q_seg, kv_seg)
+    )(offset, qp, kp, vp, dop, lse_p, delta, q_seg, kv_seg)
     dk = dk_part.reshape(b, tk, kh, nc, d).sum(3)[:, :s].astype(k.dtype)
     dv = dv_part.reshape(b, tk, kh, nc, d).sum(3)[:, :s].astype(v.dtype)
 
@@ -333,30 +347,30 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, do, st: _Static, blocks: BlockSi
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=bst),
         grid=(b, chunks, tq // bst.tokens),
-        in_specs=[q_tile, kv_full, kv_full, q_tile, row_tile, row_tile, qseg_tile, kvseg_full],
+        in_specs=[_OFFSET_SPEC, q_tile, kv_full, kv_full, q_tile, row_tile, row_tile, qseg_tile, kvseg_full],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="jaxinfra_flash_dq",
-    )(qp, kp, vp, dop, lse_p, delta, q_seg, kv_seg)
+    )(offset, qp, kp, vp, dop, lse_p, delta, q_seg, kv_seg)
     return dq.reshape(b, tq, h, d)[:, :t], dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, q_seg, kv_seg, st: _Static, blocks: BlockSizes, interpret: bool):
-    return _forward(q, k, v, q_seg, kv_seg, st, blocks, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_seg, kv_seg, offset, st: _Static, blocks: BlockSizes, interpret: bool):
+    return _forward(q, k, v, q_seg, kv_seg, offset, st, blocks, interpret)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, st, blocks, interpret):
-    out, lse = _forward(q, k, v, q_seg, kv_seg, st, blocks, interpret)
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, offset, st, blocks, interpret):
+    out, lse = _forward(q, k, v, q_seg, kv_seg, offset, st, blocks, interpret)
+    return out, (q, k, v, q_seg, kv_seg, offset, out, lse)
 
 
 def _flash_bwd(st, blocks, interpret, residuals, do):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, do, st, blocks, interpret)
-    return dq, dk, dv, None, None
+    q, k, v, q_seg, kv_seg, offset, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, offset, out, lse, do, st, blocks, interpret)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -373,10 +387,13 @@ def flash_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     scale: float | None = None,
+    q_offset: int | Int[Array, ""] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "B T H D"]:
-    """Flash attention with the reference's semantics (queries aligned to the end of the keys).
+    """Flash attention with the reference's semantics: query i sits at key position i + q_offset
+    (default S - T: queries aligned to the end of the keys). `q_offset` may be traced (a device's
+    chunk of a sequence split over devices); causal tiles past it are skipped either way.
 
     Differentiable in q, k, v. `interpret` defaults to True off GPU (the Pallas interpreter).
     """
@@ -398,6 +415,7 @@ def flash_attention(
         has_segments=q_segment_ids is not None,
         q_len=t,
         kv_len=s,
+        offset=s - t if q_offset is None else q_offset if isinstance(q_offset, int) else None,
         group=group,
         tokens=max(blocks.block_q // group, 1),
         block_k=blocks.block_k,
@@ -407,4 +425,6 @@ def flash_attention(
     dp = max(16, pl.next_power_of_2(d))  # Triton tiles need power-of-two sizes; zero columns are inert
     if dp != d:
         q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) for x in (q, k, v))
-    return _flash(q, k, v, q_segment_ids, kv_segment_ids, st, blocks, interpret)[..., :d]
+    traced = q_offset if st.offset is None and q_offset is not None else 0
+    offset = jnp.full((1,), traced, jnp.int32)
+    return _flash(q, k, v, q_segment_ids, kv_segment_ids, offset, st, blocks, interpret)[..., :d]

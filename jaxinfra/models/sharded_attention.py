@@ -4,18 +4,21 @@ device under shard_map.
 
 Whole rows (training, scoring), with the flash kernel: batch over the data axes, heads over the
 tensor axis, and with the sequence split over the context axis, each device's queries against the
-whole (all-gathered) sequence of keys. The kernel aligns queries to the end of the keys; a device holding query chunk i
-of C therefore sees the keys rotated so that key (i + 1) x chunk - 1 comes last, with the rotated-in
-future keys masked through their segment ids. Every device then scans all T keys (no causal
-skipping across chunks): exact, at up to twice the ideal attention FLOPs.
+whole (all-gathered) sequence of keys at their own positions (the kernel's query offset, so tiles
+past the diagonal are skipped). Under `zigzag_tokens` the rows arrive reordered so that device i of
+C holds chunks i and 2C - 1 - i of 2C (`zigzag_order`): every device then has the same causal work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import (
@@ -29,7 +32,26 @@ from pallas_kernels import (
 )
 from sharding import mesh_axis, per_device
 
-_MASKED = -1  # segment id of rotated-in future keys (real segment ids are >= 0)
+_ZIGZAG: contextvars.ContextVar[bool] = contextvars.ContextVar("zigzag_tokens", default=False)
+
+
+@contextlib.contextmanager
+def zigzag_tokens() -> Iterator[None]:
+    """Within: rows split over the context axis are in `zigzag_order` (the caller reordered them)."""
+    token = _ZIGZAG.set(True)
+    try:
+        yield
+    finally:
+        _ZIGZAG.reset(token)
+
+
+def zigzag_order(length: int, parts: int) -> np.ndarray:
+    """Token order for `parts` devices: the sequence in 2 x parts chunks, device i (positions
+    i x length / parts ...) taking chunks i and 2 parts - 1 - i, so causal attention costs each the same."""
+    if length % (2 * parts):
+        raise ValueError(f"sequence length {length} does not split into 2 x {parts} chunks (context parallelism)")
+    chunks = np.arange(length).reshape(2 * parts, -1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * parts - 1 - i]]) for i in range(parts)])
 
 
 def dense_attention(
@@ -54,16 +76,24 @@ def dense_attention(
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     context_axes = mesh_axis("length")
 
+    def flash(q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, **kw: Any) -> jax.Array:
+        if segment_ids is None:
+            return flash_attention(q, k, v, causal=causal, **common, **kw)
+        return flash_attention(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **common, **kw)
+
     def local(q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array) -> jax.Array:
         chunk, total = q.shape[1], k.shape[1]
         if not (causal and chunk < total and context_axes is not None):
-            if segment_ids is None:
-                return flash_attention(q, k, v, causal=causal, **common)
-            return flash_attention(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **common)
-        shift = total - (jax.lax.axis_index(context_axes) + 1) * chunk  # rotate key (i+1) x chunk - 1 last
-        k, v, kv_seg = (jnp.roll(x, shift, axis=1) for x in (k, v, kv_seg))
-        kv_seg = jnp.where(jnp.arange(total)[None, :] < shift, _MASKED, kv_seg)
-        return flash_attention(q, k, v, causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **common)
+            return flash(q, k, v, q_seg, kv_seg)
+        i = jax.lax.axis_index(context_axes)
+        if not _ZIGZAG.get():
+            return flash(q, k, v, q_seg, kv_seg, q_offset=i * chunk)
+        back = np.argsort(zigzag_order(total, total // chunk))  # gathered keys -> sequence order
+        k, v, kv_seg = (x[:, back] for x in (k, v, kv_seg))
+        half, last = chunk // 2, 2 * (total // chunk) - 1
+        first = flash(q[:, :half], k, v, q_seg[:, :half], kv_seg, q_offset=i * half)
+        second = flash(q[:, half:], k, v, q_seg[:, half:], kv_seg, q_offset=(last - i) * half)
+        return jnp.concatenate([first, second], axis=1)
 
     rows = ("batch", "length", "heads", "head_dim")
     keys = ("batch", None, "kv_heads", "head_dim")

@@ -7,6 +7,7 @@ model is rebuilt inside the step from the graph definition, so the same Flax mod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -28,7 +29,9 @@ from jaxinfra.models.llama import (
     stack_layers,
     unstack_layers,
 )
+from jaxinfra.models.sharded_attention import zigzag_order, zigzag_tokens
 from jaxinfra.train.pipeline import SCHEDULES, PipelineSchedule, pipeline_lm_loss
+from pallas_kernels import default_impl
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
 
@@ -176,6 +179,10 @@ class Trainer:
         self.model_def = ModelDef(model, cfg.scan_layers)
         self.mesh, self.rules, self.cfg = mesh, rules, cfg
         self.pipeline = pipeline_schedule(mesh, cfg, self.model_def)
+        # Our flash kernel skips keys past each query's position: with the sequence split over the
+        # context axis, rows are reordered so every device gets equal causal work (zigzag).
+        impl = (model.layers[0].attn.attn_impl if model.layers else None) or default_impl()
+        self.zigzag_parts = mesh.shape.get("context", 1) if impl == "pallas" else 1
         self.optimizer = make_optimizer(cfg.optim)
         params = jax.tree.map(_to_fp32, self.model_def.params_of(model))
         self.param_shardings = self.model_def.shardings(params, mesh, rules.params)
@@ -247,7 +254,11 @@ class Trainer:
         model.remat = self.cfg.remat  # per decoder layer
         model.compute_dtype = self.cfg.compute_dtype if masters else None
         stack = self.model_def.layer_stack(params)
-        with fused_projections():  # one input-gradient reduction for Q/K/V and one for gate/up under TP
+        zigzag = self.zigzag_parts > 1
+        if zigzag:
+            batch = _reorder_tokens(batch, zigzag_order(batch["input_ids"].shape[1], self.zigzag_parts))
+        # one input-gradient reduction for Q/K/V and one for gate/up under TP
+        with fused_projections(), zigzag_tokens() if zigzag else contextlib.nullcontext():
             if self.pipeline is not None and stack is not None:
                 return pipeline_lm_loss(model, batch, stack, self.pipeline)
             return lm_loss(model, batch, stack)
@@ -331,6 +342,15 @@ def pipeline_schedule(mesh: Mesh, cfg: TrainConfig, model_def: ModelDef) -> Pipe
     schedule = PipelineSchedule(stages, cfg.microbatches, repeats)
     schedule.check_layers(model_def.num_layers)
     return schedule
+
+
+def _reorder_tokens(batch: dict[str, jax.Array], order: np.ndarray) -> dict[str, jax.Array]:
+    """Every [B, T] array of the batch with its tokens in `order` (positions made explicit first, as
+    RoPE needs each token's own); the loss is a sum over tokens, so it does not change."""
+    b, t = batch["input_ids"].shape
+    if "positions" not in batch:
+        batch = {**batch, "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+    return {k: v[:, order] for k, v in batch.items()}
 
 
 def _to_fp32(x: Any) -> Any:

@@ -64,6 +64,34 @@ def test_segment_ids(causal):
     _check(q, k, v, do, 1e-5, causal=causal, q_segment_ids=seg, kv_segment_ids=seg)
 
 
+@pytest.mark.parametrize("offset", [0, 13, 40, 96])
+def test_traced_query_offset_matches_positions(offset):
+    """A chunk of 37 queries at key positions offset .. offset + 36 of 133 keys (a device's share of
+    a sequence split over devices), the offset traced: equals the reference given those positions."""
+    t, s = 37, 133
+    q, k, v, do = _inputs(2, t, s, 8, 2, 32, jnp.float32, seed=5)
+    seg = _segments(2, s, seed=6)
+    q_seg = jax.lax.dynamic_slice_in_dim(seg, offset, t, axis=1)
+    positions = dict(
+        q_positions=jnp.broadcast_to(jnp.arange(t) + offset, (2, t)),
+        kv_positions=jnp.broadcast_to(jnp.arange(s), (2, s)),
+    )
+
+    def ours(q, k, v, off):
+        out = flash_attention(q, k, v, q_offset=off, q_segment_ids=q_seg, kv_segment_ids=seg, block_sizes=SMALL)
+        return jnp.sum(out * do), out
+
+    def ref(q, k, v):
+        out = mha_reference(q, k, v, q_segment_ids=q_seg, kv_segment_ids=seg, **positions)
+        return jnp.sum(out * do), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(q, k, v, jnp.int32(offset))
+    (_, want), want_grads = jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_allclose(out, want, atol=1e-5 * float(jnp.abs(want).max()))
+    for name, g, w in zip("qkv", grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, float(jnp.abs(w).max())), err_msg=f"d{name}")
+
+
 def test_sliding_window_softcap_and_segments():
     q, k, v, do = _inputs(1, 45, 45, 4, 1, 32, jnp.float32, seed=3)
     seg = _segments(1, 45, seed=4)

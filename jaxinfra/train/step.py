@@ -270,9 +270,7 @@ class Trainer:
         self.check_batch(rows, length)
         if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
             (loss_sum, count), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
-            count = jnp.maximum(count, 1.0)
-            grads = jax.tree.map(lambda g: g / count, grads)
-            return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count
+            return self._mean(loss_sum, grads, count)
         # Strided: microbatch m takes rows m, m + micro, ... so each keeps an equal share of every
         # device's rows (consecutive row ranges would each live on a subset of the devices).
         split = jax.tree.map(lambda x: x.reshape(rows // micro, micro, *x.shape[1:]).swapaxes(0, 1), batch)
@@ -286,6 +284,10 @@ class Trainer:
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
         (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, split)
+        return self._mean(loss_sum, grads, count)
+
+    def _mean(self, loss_sum: jax.Array, grads: Params, count: jax.Array) -> tuple[jax.Array, Params, jax.Array]:
+        """Summed loss and gradients -> per-target means, gradients in their (ZeRO) layout."""
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count

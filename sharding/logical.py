@@ -71,12 +71,6 @@ def constrain(x: jax.Array, names: Sequence[str | None], *, unmapped_free: bool 
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def mesh_axis(name: str) -> str | tuple[str, ...] | None:
-    """The mesh axes the active rules map logical `name` to (None outside `logical_rules`)."""
-    active = _ACTIVE.get()
-    return None if active is None else active[1].get(name)
-
-
 Names = Sequence[str | None]
 NamesOf = Names | Callable[[jax.Array], Names]  # names of one array, or of each leaf of a pytree
 

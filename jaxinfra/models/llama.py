@@ -221,6 +221,12 @@ class LayerStack:
         return merge_params(self.graphdef, self.template, params)
 
 
+def row_positions(input_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """Positions 0 .. T - 1 of every row (unpacked rows without explicit positions)."""
+    b, t = input_ids.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
 def merge_params(graphdef: nnx.GraphDef, template: Iterable[Any], params: dict) -> Any:
     """The module of `graphdef` whose variables (flat `template`: (path, variable) pairs) hold the
     values of the pure dict `params`."""
@@ -364,9 +370,8 @@ class LlamaModel(nnx.Module):
         layer_stack: LayerStack | None = None,
     ) -> Float[Array, "B T V"]:
         """Causal forward over whole rows (optionally packed: segment ids and per-document positions)."""
-        b, t = input_ids.shape
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            positions = row_positions(input_ids)
         logits, _ = self.forward(input_ids, positions, DenseMetadata(segment_ids=segment_ids), None, layer_stack)
         return logits
 

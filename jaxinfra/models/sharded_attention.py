@@ -30,7 +30,7 @@ from pallas_kernels import (
     dot_product_attention,
     flash_attention,
 )
-from sharding import mesh_axis, per_device
+from sharding import per_device, sharded_axes
 
 _ZIGZAG: contextvars.ContextVar[bool] = contextvars.ContextVar("zigzag_tokens", default=False)
 
@@ -74,7 +74,7 @@ def dense_attention(
         )
     b, t = q.shape[:2]
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    context_axes = mesh_axis("length")
+    context_axes = sharded_axes("length", t)[0]
 
     def flash(q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, **kw: Any) -> jax.Array:
         if segment_ids is None:
@@ -83,7 +83,7 @@ def dense_attention(
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array) -> jax.Array:
         chunk, total = q.shape[1], k.shape[1]
-        if not (causal and chunk < total and context_axes is not None):
+        if not (causal and context_axes):
             return flash(q, k, v, q_seg, kv_seg)
         i = jax.lax.axis_index(context_axes)
         if not _ZIGZAG.get():

@@ -23,7 +23,7 @@ from jaxinfra.data import load_documents
 from jaxinfra.data.pipeline import document_tokens
 from jaxinfra.data.sources import split_documents
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import DecoderLayer
+from jaxinfra.models.llama import DecoderLayer, row_positions
 from jaxinfra.quant.qlinear import QuantizedLinear
 from jaxinfra.tokenizer import Tokenizer
 
@@ -172,7 +172,7 @@ LayerFn = Callable[[DecoderLayer, Callable[[], dict[str, jax.Array]]], None]
 def walk_layers(model: LlamaModel, rows: np.ndarray, fn: LayerFn, *, desc: str) -> None:
     """Call fn(layer, capture) for each layer in order; capture() gives the current inputs of its linears."""
     tokens = jnp.asarray(rows)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    positions = row_positions(tokens)
     x = jnp.take(model.embed[...], tokens, axis=0)
     for layer in tqdm(model.layers, desc=desc, unit="layer"):
         fn(layer, functools.partial(_captures, layer, x, positions))

@@ -20,9 +20,9 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from jaxinfra.models.llama import LayerStack, LlamaModel
+from jaxinfra.models.llama import LayerStack, LlamaModel, row_positions
 from pallas_kernels import DenseMetadata
-from sharding import constrain, mesh_axis
+from sharding import constrain, sharded_axes
 
 SCHEDULES = ("gpipe", "circular")
 
@@ -92,7 +92,7 @@ def pipeline_layers(
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
     weights = stage_layout(stack.params, schedule)
     stage_ids = jnp.arange(p)
-    spmd_axis = mesh_axis("stage")
+    spmd_axis = sharded_axes("stage", p)[0]
 
     def run_stage(params: Any, h: jax.Array, pos: jax.Array, seg: jax.Array | None) -> jax.Array:
         chunk = LayerStack(stack.graphdef, stack.template, params)
@@ -139,10 +139,9 @@ def pipeline_lm_loss(
 ) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and target count of the batch run through the pipeline."""
     ids = batch["input_ids"]
-    b, t = ids.shape
     positions = batch.get("positions")
     if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = row_positions(ids)
     segment_ids = batch.get("segment_ids")
     m = schedule.microbatches
     x = split_microbatches(model.embed_tokens(ids), m)

@@ -26,11 +26,12 @@ from jaxinfra.models.llama import (
     LayerStack,
     fused_projections,
     merge_params,
+    row_positions,
     stack_layers,
     unstack_layers,
 )
 from jaxinfra.models.sharded_attention import zigzag_order, zigzag_tokens
-from jaxinfra.train.pipeline import SCHEDULES, PipelineSchedule, pipeline_lm_loss
+from jaxinfra.train.pipeline import SCHEDULES, PipelineSchedule, pipeline_lm_loss, split_microbatches
 from pallas_kernels import default_impl
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
@@ -271,9 +272,7 @@ class Trainer:
         if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
             (loss_sum, count), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
             return self._mean(loss_sum, grads, count)
-        # Strided: microbatch m takes rows m, m + micro, ... so each keeps an equal share of every
-        # device's rows (consecutive row ranges would each live on a subset of the devices).
-        split = jax.tree.map(lambda x: x.reshape(rows // micro, micro, *x.shape[1:]).swapaxes(0, 1), batch)
+        split = jax.tree.map(lambda x: split_microbatches(x, micro), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def accumulate(carry, mb):
@@ -349,9 +348,8 @@ def pipeline_schedule(mesh: Mesh, cfg: TrainConfig, model_def: ModelDef) -> Pipe
 def _reorder_tokens(batch: dict[str, jax.Array], order: np.ndarray) -> dict[str, jax.Array]:
     """Every [B, T] array of the batch with its tokens in `order` (positions made explicit first, as
     RoPE needs each token's own); the loss is a sum over tokens, so it does not change."""
-    b, t = batch["input_ids"].shape
     if "positions" not in batch:
-        batch = {**batch, "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+        batch = {**batch, "positions": row_positions(batch["input_ids"])}
     return {k: v[:, order] for k, v in batch.items()}
 
 

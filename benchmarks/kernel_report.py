@@ -163,9 +163,11 @@ class PagedShape:
     kv: str
     mode: str
     kv_heads: int = 8
+    splits: int = 1
 
     def __str__(self) -> str:
-        return f"{self.mode} d{self.head_dim} gqa{self.gqa} bs{self.block_size} {self.kv}"
+        split = f" split{self.splits}" if self.splits > 1 else ""
+        return f"{self.mode} d{self.head_dim} gqa{self.gqa} bs{self.block_size} {self.kv}{split}"
 
     def args(self) -> tuple[S, ...]:
         seqs, pages = 8, 64
@@ -184,7 +186,9 @@ class PagedShape:
 
         def call(q, k, v, bt, cu, lens, *scales):
             kw = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}
-            return ragged_paged_attention(q, k, v, bt, cu, lens, max_q_len=max_q_len, interpret=False, **kw)
+            return ragged_paged_attention(
+                q, k, v, bt, cu, lens, max_q_len=max_q_len, num_splits=self.splits, interpret=False, **kw
+            )
 
         return call
 
@@ -196,11 +200,14 @@ def paged_shapes(quick: bool) -> Iterator[PagedShape]:
             yield PagedShape(d, gqa, 16, "bf16", mode)
         yield PagedShape(128, 4, 16, "int8", "decode")
         yield PagedShape(128, 4, 16, "fp8", "decode")
+        yield PagedShape(128, 4, 16, "bf16", "decode", splits=4)  # split-K: the kernel and its merge
         return
     for d, gqa, bs, kv, mode in itertools.product(
         (64, 128, 256), (1, 4, 8), (16, 32, 64), ("bf16", "int8", "fp8"), ("decode", "prefill")
     ):
         yield PagedShape(d, gqa, bs, kv, mode)
+    for d in (64, 128, 256):
+        yield PagedShape(d, 4, 16, "bf16", "decode", splits=4)
 
 
 def flash_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], tuple[S, ...]]]:

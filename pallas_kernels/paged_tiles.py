@@ -16,11 +16,19 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 
+def count_at_most(sorted_values: Any, queries: Any, xp: ModuleType = jnp) -> Any:
+    """For each query, how many of the (ascending) sorted_values are <= it: searchsorted(side='right').
+    Traced, it is one fused comparison (no sequential search loop: these arrays hold a few hundred entries)."""
+    if xp is jnp:
+        return jnp.sum(sorted_values[None, :] <= queries[:, None], axis=1, dtype=jnp.int32)
+    return xp.searchsorted(sorted_values, queries, side="right")
+
+
 def token_sequences(cu_q_lens: Any, n: int, xp: ModuleType = jnp) -> tuple[Any, Any, Any]:
     """For each of the n flat tokens: its sequence, its index among that sequence's new tokens, and
     whether it is a real token (not padding past cu_q_lens[-1])."""
     tok = xp.arange(n)
-    seq = xp.minimum(xp.searchsorted(cu_q_lens[1:], tok, side="right"), cu_q_lens.shape[0] - 2)
+    seq = xp.minimum(count_at_most(cu_q_lens[1:], tok, xp), cu_q_lens.shape[0] - 2)
     return seq, tok - cu_q_lens[seq], tok < cu_q_lens[-1]
 
 
@@ -37,7 +45,7 @@ def work_tiles(cu_q_lens: Any, kv_lens: Any, tokens: int, num_tiles: int, xp: Mo
     per_seq = (q_lens + tokens - 1) // tokens
     ends = xp.cumsum(per_seq)
     t = xp.arange(num_tiles)
-    seq = xp.searchsorted(ends, t, side="right")
+    seq = count_at_most(ends, t, xp)
     valid = seq < s
     seq = xp.minimum(seq, s - 1)
     q_start = (t - (ends[seq] - per_seq[seq])) * tokens
@@ -83,10 +91,15 @@ def tile_plan(
     return TilePlan(*(a.astype(xp.int32) for a in (q_index, q_pos, pages, out_index)))
 
 
-def untile(
-    out: jax.Array, cu_q_lens: Int[Array, " S1"], first_tile: Int[Array, " S"], tokens: int, n: int
-) -> jax.Array:
-    """Tile outputs [T, tokens, ...] back to the flat token order [n, ...]; padding tokens are zero."""
-    seq, local, real = token_sequences(cu_q_lens, n)
-    res = out[first_tile[seq] + local // tokens, local % tokens]
-    return jnp.where(real.reshape((n,) + (1,) * (res.ndim - 1)), res, 0)
+def kernel_work_list(cu_q_lens: Any, n: int, tokens: int, xp: ModuleType = jnp) -> Any:
+    """The Pallas kernel's tiles: [T, 2] int32 rows (sequence, first new token within it), at most
+    `tokens` tokens each, T = max_work_tiles(n, S + 1, tokens). The n - cu_q_lens[-1] padding tokens
+    form one more sequence (index S, no keys: its tiles write zeros); tiles past the work have
+    sequence S and a first token past n (they write nothing). Decode (tokens=1): tile t is token t."""
+    s = cu_q_lens.shape[0] - 1
+    q_lens = xp.concatenate([cu_q_lens[1:] - cu_q_lens[:-1], xp.asarray([n], cu_q_lens.dtype) - cu_q_lens[-1:]])
+    per_seq = (q_lens + tokens - 1) // tokens
+    ends = xp.cumsum(per_seq)
+    t = xp.arange(max_work_tiles(n, s + 1, tokens))
+    seq = xp.minimum(count_at_most(ends, t, xp), s)
+    return xp.stack([seq, (t - (ends[seq] - per_seq[seq])) * tokens], axis=1).astype(xp.int32)

@@ -1,10 +1,13 @@
 """Ragged paged attention in Pallas (Triton lowering): one kernel for decode, prefill chunks and mixes.
 
-The flat token batch is cut into work tiles of `tokens` new tokens of one sequence; a tile's rows
-are (token x query head of one KV group), so each K/V page is loaded once for the whole group.
-Pages are found through the block table, several per step; split-K cuts a long context into
-`num_splits` page ranges whose partial results are merged by log-sum-exp. Only pages the sequence
-owns are ever read. K/V may be int8 or fp8 with per-token, per-head scales, dequantised in the kernel.
+The flat token batch is cut into work tiles of `tokens` new tokens of one sequence (decode: one tile
+per token); a tile's rows are (token x query head of one KV group), so each K/V page is loaded once
+for the whole group. The kernel gathers its query rows from, and scatters its outputs to, the flat
+[N * H, D] arrays itself (rows padded to the MMA's 16 in registers only). Pages are found through the
+block table, several per step; split-K cuts a long context into `num_splits` page ranges whose
+float32 partials a small merge kernel combines (one split: the output is written in the query dtype
+directly). Only pages the sequence owns are ever read. K/V may be int8 or fp8 with per-token,
+per-head scales, dequantised in the kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kv_quant import is_quantized_kv
-from pallas_kernels.paged_tiles import max_work_tiles, untile, work_tiles
+from pallas_kernels.paged_tiles import kernel_work_list
+from pallas_kernels.split_merge import merge_splits
 from pallas_kernels.tile_ops import dot, online_softmax_step
 
 LOG2E = math.log2(math.e)
@@ -33,12 +37,19 @@ MAX_TILE_ELEMENTS = 128 * 128
 # a pool of 1-byte elements with more than 2^31 of them would be read at negative offsets
 # (64-bit offsets appear in the IR only past 2^32 bytes; tests/kernels checks both sides).
 MAX_I32_ELEMENTS = 2**31 - 1
+KEYS_PER_STEP = 64  # keys (pages x page size) loaded per inner step
+# Triton's pipeliner gathers the next step's K pages into shared memory (cp.async) and its V pages
+# into registers while this step computes; a deeper num_stages adds no buffer for these indirect
+# loads (the sm_90a TTGIR is the same at 3 and 4), so two stages it is.
+NUM_STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
     tokens: int  # new tokens per work tile
-    group: int  # query heads per KV head, padded to a power of two
+    group: int  # query heads per KV head (real)
+    group_pad: int  # rows per token in a tile: the group padded to a power of two, >= 16 // tokens
+    num_heads: int
     page_size: int
     pages_per_tile: int  # pages loaded per inner step
     pages_per_split: int
@@ -49,7 +60,7 @@ class _Static:
 
     @property
     def rows(self) -> int:
-        return self.tokens * self.group
+        return self.tokens * self.group_pad
 
     @property
     def block_k(self) -> int:
@@ -63,13 +74,27 @@ def _load_pages(pool_ref, scale_ref, ids: jax.Array, st: _Static, dtype: jnp.dty
     return x.astype(dtype)
 
 
-def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref, *, st: _Static):
-    t, split = pl.program_id(0), pl.program_id(2)
-    seq, q_start, q_len, kv_len = info_ref[t, 0], info_ref[t, 1], info_ref[t, 2], info_ref[t, 3]
-    q = q_ref[...].reshape(st.rows, -1)
-    tok = q_start + lax.broadcasted_iota(jnp.int32, (st.rows,), 0) // st.group
+def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_refs, st: _Static):
+    """One work tile (up to `tokens` new tokens of one sequence) x one KV head x one KV split. Rows are
+    (token, query head of the group), gathered from and scattered to the flat [N * H, D] arrays."""
+    t, g, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_seqs, max_pages = kvl_ref.shape[0], bt_ref.shape[1]
+    total_rows, d = q_ref.shape
+    seq, q_start = work_ref[t, 0], work_ref[t, 1]
+    padding = seq >= num_seqs  # the batch's padding tokens: no keys, zero output
+    s_idx = jnp.minimum(seq, num_seqs - 1)
+    first_row = jnp.where(padding, cu_ref[num_seqs], cu_ref[s_idx])
+    q_len = jnp.where(padding, total_rows // st.num_heads - cu_ref[num_seqs], cu_ref[s_idx + 1] - cu_ref[s_idx])
+    # A length past what the block table can address is cut there: no page beyond the table is read.
+    kv_len = jnp.where(padding, 0, jnp.minimum(kvl_ref[s_idx], max_pages * st.page_size))
+    r = lax.broadcasted_iota(jnp.int32, (st.rows,), 0)
+    tok, head = q_start + r // st.group_pad, r % st.group_pad
+    row_valid = (tok < q_len) & (head < st.group)
+    # Rows that are not real (token, head) pairs point past the array: masked, they touch nothing.
+    flat = jnp.where(row_valid, (first_row + tok) * st.num_heads + g * st.group + head, total_rows)
+    cols = lax.broadcasted_iota(jnp.int32, (d,), 0)
+    q = plgpu.load(q_ref.at[flat[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
     pos = kv_len - q_len + tok
-    row_valid = tok < q_len
     # Keys this tile can see: up to its last token's position, from the window's start.
     visible_end = kv_len - q_len + jnp.minimum(q_start + st.tokens, q_len)
     num_pages = lax.div(jnp.maximum(visible_end, 0) + st.page_size - 1, st.page_size)
@@ -78,26 +103,26 @@ def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_re
         first_page = lax.div(jnp.maximum(kv_len - q_len + q_start - st.window + 1, 0), st.page_size)
     page_lo = jnp.maximum(first_page, split * st.pages_per_split)
     page_hi = jnp.minimum(num_pages, (split + 1) * st.pages_per_split)
-    last_owned = bt_ref[seq, jnp.maximum(num_pages - 1, 0)]
+    last_owned = bt_ref[s_idx, jnp.maximum(num_pages - 1, 0)]
+    logit_scale = st.scale if st.softcap is not None else st.scale * LOG2E
 
     def body(j, carry):
         acc, m, l = carry
         page_idx = j * st.pages_per_tile + lax.broadcasted_iota(jnp.int32, (st.pages_per_tile,), 0)
-        ids = bt_ref[seq, pl.ds(j * st.pages_per_tile, st.pages_per_tile)]
+        ids = bt_ref[s_idx, jnp.minimum(page_idx, max_pages - 1)]
         ids = jnp.where(page_idx < num_pages, ids, last_owned)  # never touch pages past the sequence
         k = _load_pages(k_ref, ks_ref, ids, st, q.dtype)
         v = _load_pages(v_ref, vs_ref, ids, st, q.dtype)
-        s = dot(q, k, trans_b=True) * st.scale
+        s = dot(q, k, trans_b=True) * logit_scale
         if st.softcap is not None:
-            s = st.softcap * jnp.tanh(s / st.softcap)
+            s = st.softcap * jnp.tanh(s / st.softcap) * LOG2E
         kv_pos = j * st.block_k + lax.broadcasted_iota(jnp.int32, (st.block_k,), 0)
         in_split = (kv_pos >= page_lo * st.page_size) & (kv_pos < page_hi * st.page_size)
         mask = row_valid[:, None] & in_split[None, :] & (kv_pos[None, :] <= pos[:, None])
         if st.window is not None:
             mask &= pos[:, None] - kv_pos[None, :] < st.window
-        return online_softmax_step(acc, m, l, jnp.where(mask, s * LOG2E, -jnp.inf), v)
+        return online_softmax_step(acc, m, l, jnp.where(mask, s, -jnp.inf), v)
 
-    d = q.shape[-1]
     init = (
         jnp.zeros((st.rows, d), jnp.float32),
         jnp.full((st.rows,), -jnp.inf, jnp.float32),
@@ -108,8 +133,11 @@ def _kernel(info_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_re
     acc, m, l = lax.fori_loop(j_lo, j_hi, body, init)
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[:, None]
-    o_ref[...] = out.reshape(st.tokens, st.group, d).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l))).reshape(st.tokens, st.group)
+    o_ref = out_refs[0]
+    plgpu.store(o_ref.at[flat[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=row_valid[:, None])
+    if len(out_refs) > 1:  # split-K: the partial's log-sum-exp (base 2) for the merge
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+        plgpu.store(out_refs[1].at[flat], lse, mask=row_valid)
 
 
 def addressable_blocks(num_blocks: int, block_elements: int, itemsize: int) -> int:
@@ -168,17 +196,19 @@ def ragged_paged_attention(
     if cu_q_lens.shape != (s + 1,) or kv_lens.shape != (s,):
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")
     group_pad = pl.next_power_of_2(h // kh)
-    max_tokens = max(1, MAX_TILE_ELEMENTS // (group_pad * pl.next_power_of_2(d)))
+    max_tokens = max(1, MAX_TILE_ELEMENTS // (group_pad * d))
     tokens = max(1, min(block_q, pl.next_power_of_2(max_q_len or n), max_tokens))
-    group = max(group_pad, 16 // tokens)  # a tile needs >= 16 rows for the MMA
-    num_warps = 8 if tokens * group * d >= MAX_TILE_ELEMENTS // 2 else 4
+    group_pad = max(group_pad, 16 // tokens)  # a tile needs >= 16 rows for the MMA
+    num_warps = 8 if tokens * group_pad * d >= MAX_TILE_ELEMENTS // 2 else 4
     if pages_per_tile is None:
-        pages_per_tile = max(1, 64 // bs)
+        pages_per_tile = max(1, KEYS_PER_STEP // bs)
     pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))
     pages_per_split = pages_per_tile * pl.cdiv(pl.cdiv(mb, num_splits), pages_per_tile)
     st = _Static(
         tokens=tokens,
-        group=group,
+        group=h // kh,
+        group_pad=group_pad,
+        num_heads=h,
         page_size=bs,
         pages_per_tile=pages_per_tile,
         pages_per_split=pages_per_split,
@@ -190,49 +220,55 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
-    num_tiles = max_work_tiles(n, s, tokens)
-    # A length past what the block table can address is cut there: no page beyond the table is read.
-    cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), jnp.minimum(kv_lens.astype(jnp.int32), mb * bs)
-    info, first_tile = work_tiles(cu_q_lens, kv_lens, tokens, num_tiles)
-    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -mb % pages_per_tile)))
-    # Gather the queries into tiles [T, tokens, KH, group, D] (zero rows for padding and extra heads).
-    r = jnp.arange(tokens)
-    flat = cu_q_lens[info[:, 0], None] + info[:, 1:2] + r[None, :]
-    valid = info[:, 1:2] + r[None, :] < info[:, 2:3]
-    qt = jnp.where(valid[..., None, None], q[jnp.clip(flat, 0, n - 1)], 0).reshape(num_tiles, tokens, kh, h // kh, d)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, group - h // kh), (0, 0)))
+    work = kernel_work_list(cu_q_lens.astype(jnp.int32), n, tokens)
     if k_scales is None:
         k_scales = v_scales = jnp.ones((1, 1, kh), jnp.float32)
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, g, c: (0,) * len(shape))
     sq = pl.squeezed
     pool_spec = pl.BlockSpec((nb, bs, sq, d), lambda t, g, c: (0, 0, g, 0))
     scale_spec = pl.BlockSpec((k_scales.shape[0], k_scales.shape[1], sq), lambda t, g, c: (0, 0, g))
-    o, lse = pl.pallas_call(
+    rows = n * h
+    if num_splits == 1:  # the result itself, in the query dtype
+        out_specs = [whole((rows, d))]
+        out_shape = [jax.ShapeDtypeStruct((rows, d), q.dtype)]
+    else:  # float32 partials and their log-sum-exp, merged by a second small kernel
+        out_specs = [
+            pl.BlockSpec((sq, rows, d), lambda t, g, c: (c, 0, 0)),
+            pl.BlockSpec((sq, rows), lambda t, g, c: (c, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, rows), jnp.float32),
+        ]
+    outs = pl.pallas_call(
         functools.partial(_kernel, st=st),
-        grid=(num_tiles, kh, num_splits),
+        grid=(work.shape[0], kh, num_splits),
         in_specs=[
-            pl.BlockSpec(info.shape, lambda t, g, c: (0, 0)),
-            pl.BlockSpec(bt.shape, lambda t, g, c: (0, 0)),
-            pl.BlockSpec((sq, tokens, sq, group, d), lambda t, g, c: (t, 0, g, 0, 0)),
+            whole(work.shape),
+            whole(cu_q_lens.shape),
+            whole(kv_lens.shape),
+            whole(block_tables.shape),
+            whole((rows, d)),
             pool_spec,
             pool_spec,
             scale_spec,
             scale_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((sq, sq, tokens, sq, group, d), lambda t, g, c: (t, c, 0, g, 0, 0)),
-            pl.BlockSpec((sq, sq, tokens, sq, group), lambda t, g, c: (t, c, 0, g, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group, d), jnp.float32),
-            jax.ShapeDtypeStruct((num_tiles, num_splits, tokens, kh, group), jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=NUM_STAGES),
         interpret=interpret,
         name="jaxinfra_ragged_paged_attention",
-    )(info, bt, qt, k_pool, v_pool, k_scales, v_scales)
-    # Merge the splits by log-sum-exp (base 2), then scatter tiles back to the flat token order.
-    top = jnp.max(lse, axis=1, keepdims=True)
-    w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(w, axis=1)
-    out = jnp.sum(w[..., None] * o, axis=1) / jnp.where(total == 0, 1.0, total)[..., None]
-    return untile(out[..., : h // kh, :], cu_q_lens, first_tile, tokens, n).reshape(n, h, d).astype(q.dtype)
+    )(
+        work,
+        cu_q_lens.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        q.reshape(rows, d),
+        k_pool,
+        v_pool,
+        k_scales,
+        v_scales,
+    )
+    out = outs[0] if num_splits == 1 else merge_splits(outs[0], outs[1], q.dtype, interpret=interpret)
+    return out.reshape(n, h, d)

@@ -8,9 +8,10 @@ import pytest
 from pallas_kernels import PagedKVCache, quantize
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
-from pallas_kernels.paged_tiles import tile_plan
+from pallas_kernels.paged_tiles import kernel_work_list, tile_plan
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla, tile_tokens
+from pallas_kernels.split_merge import merge_splits, merge_splits_reference
 
 D = 32
 QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -93,16 +94,17 @@ def test_decode_matches_reference(bs, h, kh, dtype, splits):
 
 
 @pytest.mark.parametrize(
-    "bs,h,kh,dtype,window",
+    "bs,h,kh,dtype,window,softcap",
     [
-        (8, 4, 4, "float32", None),
-        (16, 8, 2, "bfloat16", None),
-        (16, 8, 1, "int8", None),
-        (16, 8, 2, "fp8", None),
-        (8, 8, 2, "float32", 11),
+        (8, 4, 4, "float32", None, None),
+        (16, 8, 2, "bfloat16", None, None),
+        (16, 8, 1, "int8", None, None),
+        (16, 8, 2, "fp8", None, None),
+        (8, 8, 2, "float32", 11, None),
+        (8, 6, 2, "float32", None, 5.0),  # GQA 3: rows padded to 4 heads in registers only
     ],
 )
-def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window):
+def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window, softcap):
     q_lens = [1, 9, 1, 30, 0]  # decodes, a whole prefill, a prefill chunk, a padding sequence
     kv_lens = [13, 9, 70, 45, 0]
     pool = Pool(kv_lens, bs, kh, dtype, seed=2)
@@ -118,6 +120,7 @@ def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window):
         block_q=8,
         num_splits=2,
         sliding_window=window,
+        logit_softcap=softcap,
         **{k: v for k, v in pool.poisoned.items() if "scales" in k},
     )
     ref = ragged_paged_attention_reference(
@@ -126,6 +129,7 @@ def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window):
         pool.clean["v_pool"],
         *args,
         sliding_window=window,
+        logit_softcap=softcap,
         **{k: v for k, v in pool.clean.items() if "scales" in k},
     )
     assert not np.isnan(np.asarray(ours, np.float32)).any()
@@ -207,6 +211,48 @@ def test_tile_plan_host_equals_device(lens, seqs, tokens):
     assert sorted(flat[flat >= 0].tolist()) == list(range(int(cu[-1])))
     assert (host.out_index[: int(cu[-1])] >= 0).all() and (host.out_index[int(cu[-1]) :] == -1).all()
     assert (flat[host.out_index[: int(cu[-1])]] == np.arange(int(cu[-1]))).all()
+
+
+@pytest.mark.parametrize(
+    "lens,seqs,tokens,n_pad",
+    [([1, 1, 1], 5, 1, 2), ([3, 0, 17, 1, 8], 6, 4, 5), ([64], 2, 16, 0), ([0, 0], 3, 4, 6), ([5, 5, 5, 5], 4, 2, 1)],
+)
+def test_kernel_work_list_covers_every_token_once(lens, seqs, tokens, n_pad):
+    """The kernel's tiles, host (numpy) and traced alike: each flat token, padding included, lies in
+    exactly one tile of its own sequence (padding: sequence S); decode has exactly n tiles, tile t = token t."""
+    cu = np.zeros(seqs + 1, np.int32)
+    cu[1 : len(lens) + 1] = np.cumsum(lens)
+    cu[len(lens) + 1 :] = cu[len(lens)]
+    n = int(cu[-1]) + n_pad
+    host = kernel_work_list(cu, n, tokens, np)
+    np.testing.assert_array_equal(host, np.asarray(jax.jit(lambda c: kernel_work_list(c, n, tokens))(cu)))
+    bounds = np.append(cu, n)
+    covered = []
+    for seq, start in host:
+        first, q_len = bounds[seq] + start, bounds[seq + 1] - bounds[seq]
+        covered += [first + i for i in range(tokens) if start + i < q_len]
+        assert seq <= seqs and start % tokens == 0
+    assert sorted(covered) == list(range(n))
+    if tokens == 1 and all(x == 1 for x in lens):
+        assert len(host) == n and [bounds[sq] + st for sq, st in host] == list(range(n))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_merge_splits_matches_reference(dtype):
+    """Split-K merge kernel: 3 splits over 37 rows (not a multiple of the block), some splits empty
+    (lse -inf), one row empty in every split (output 0)."""
+    ks = jax.random.split(jax.random.key(13), 3)
+    o = jax.random.normal(ks[0], (3, 37, D))
+    lse = jax.random.normal(ks[1], (3, 37)) * 4
+    lse = jnp.where(jax.random.bernoulli(ks[2], 0.3, (3, 37)), -jnp.inf, lse).at[:, 5].set(-jnp.inf)
+    got = merge_splits(o, lse, dtype)
+    want = merge_splits_reference(o, lse, dtype)
+    assert got.dtype == dtype and float(jnp.abs(got[5]).max()) == 0.0
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=_tol(jnp.dtype(dtype).name)
+    )
+    with pytest.raises(ValueError, match="lse"):
+        merge_splits(o, lse[:, :5], dtype)
 
 
 def test_padding_does_not_change_real_outputs():

@@ -160,11 +160,18 @@ def prefill_rows(quick: bool, results: Results) -> None:
         results.add("prefill", {**row, "max_err": err})
 
 
+def bandwidth_target(batch: int, context: int) -> float | None:
+    """Issue 16's bar for our decode, as a fraction of copy bandwidth (None: no bar at this shape)."""
+    if batch >= 32 and context >= 4096:
+        return 0.85
+    return 0.60 if batch >= 8 else None
+
+
 def print_tables(decode: list[dict], prefill: list[dict], bandwidth: float) -> None:
     print(f"\nmeasured copy bandwidth: {bandwidth:.0f} GB/s")
     print(
         f"{'batch':>5} {'ctx':>6} {'bs':>3} {'kv':>4} {'impl':<10} {'us':>9} {'GB/s':>7} {'%bw':>5} "
-        f"{'ours x':>7} {'err':>8}"
+        f"{'ours x':>7} {'err':>8} {'target':>9}"
     )
     for r in decode:
         head = f"{r['batch']:>5} {r['context']:>6} {r['block']:>3} {r['kv']:>4} {r['impl']:<10}"
@@ -172,7 +179,12 @@ def print_tables(decode: list[dict], prefill: list[dict], bandwidth: float) -> N
             print(f"{head} n/a: {r['error']}")
             continue
         speedup = f"{r['ours_speedup']:.2f}x" if "ours_speedup" in r else "-"
-        print(f"{head} {r['us']:>9.1f} {r['gbs']:>7.0f} {100 * r['frac_bw']:>4.0f}% {speedup:>7} {r['max_err']:>8.1e}")
+        bar = bandwidth_target(r["batch"], r["context"]) if r["impl"] == "ours" else None
+        target = "-" if bar is None else f"{100 * bar:.0f}% {'met' if r['frac_bw'] >= bar else 'MISS'}"
+        print(
+            f"{head} {r['us']:>9.1f} {r['gbs']:>7.0f} {100 * r['frac_bw']:>4.0f}% {speedup:>7} {r['max_err']:>8.1e} "
+            f"{target:>9}"
+        )
     print(f"\n{'chunk':>6} {'context':>8} {'us':>10} {'TFLOP/s':>8} {'flash TF/s':>10} {'vs flash':>8} {'err':>8}")
     for r in prefill:
         print(

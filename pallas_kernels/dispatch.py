@@ -146,7 +146,7 @@ def ragged_attention(
         if metadata.max_q_len == 1:  # decode: split long contexts so few sequences still fill the device
             s, mb = metadata.block_tables.shape
             kwargs["num_splits"] = default_num_splits(s, mb, cache.k.shape[1])
-        return ragged_paged_attention_pallas(*args, **kwargs)
+        return ragged_paged_attention_pallas(*args, work=metadata.work, **kwargs)
     return ragged_paged_attention_reference(*args, **kwargs)
 
 

@@ -56,8 +56,9 @@ class PagedMetadata:
 
     Sequence s brings new tokens cu_q_lens[s]:cu_q_lens[s+1] and has kv_lens[s] keys including them;
     its pages are block_tables[s]. slot_mapping[n] = block * block_size + offset where token n's K/V
-    go (-1 for padding tokens). `max_q_len` (static) bounds any sequence's new tokens. `plan`, the
-    batch's work tiles built on the host (`tile_plan`), spares the XLA implementation its index work.
+    go (-1 for padding tokens). `max_q_len` (static) bounds any sequence's new tokens. Work tiles
+    built on the host spare the kernels their index work: `plan` (`tile_plan`) for the XLA
+    implementation, `work` (`kernel_work_list`) for the Pallas kernel.
     """
 
     slot_mapping: Int[Array, " N"]
@@ -66,6 +67,7 @@ class PagedMetadata:
     kv_lens: Int[Array, " S"]
     max_q_len: int | None = dataclasses.field(default=None, metadata={"static": True})
     plan: TilePlan | None = None
+    work: Int[Array, "T 2"] | None = None
 
 
 def _scatter_slots(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.kv_quant import is_quantized_kv
-from pallas_kernels.paged_tiles import kernel_work_list
+from pallas_kernels.paged_tiles import kernel_work_list, max_work_tiles
 from pallas_kernels.split_merge import merge_splits
 from pallas_kernels.tile_ops import dot, online_softmax_step
 
@@ -37,6 +37,7 @@ MAX_TILE_ELEMENTS = 128 * 128
 # a pool of 1-byte elements with more than 2^31 of them would be read at negative offsets
 # (64-bit offsets appear in the IR only past 2^32 bytes; tests/kernels checks both sides).
 MAX_I32_ELEMENTS = 2**31 - 1
+BLOCK_Q = 16  # new tokens per work tile, at most
 KEYS_PER_STEP = 64  # keys (pages x page size) loaded per inner step
 # Triton's pipeliner gathers the next step's K pages into shared memory (cp.async) and its V pages
 # into registers while this step computes; a deeper num_stages adds no buffer for these indirect
@@ -140,6 +141,20 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
         plgpu.store(out_refs[1].at[flat], lse, mask=row_valid)
 
 
+def _max_tile_elements(head_dim: int, quantized: bool) -> int:
+    """Rows x head_dim a tile may hold. int8/fp8 pages are dequantised to float32 [keys, head_dim]
+    in registers too: at head dim 256 that needs half the rows (else ~50 B of spills per thread)."""
+    return MAX_TILE_ELEMENTS // (2 if quantized and head_dim >= 256 else 1)
+
+
+def kernel_tile_tokens(group: int, head_dim: int, max_q_len: int, quantized: bool, block_q: int = BLOCK_Q) -> int:
+    """New tokens per work tile for `group` query heads per KV head (1 for decode): what the host
+    passes to kernel_work_list when it builds the work list itself."""
+    rows_per_token = pl.next_power_of_2(group) * pl.next_power_of_2(head_dim)
+    max_tokens = max(1, _max_tile_elements(head_dim, quantized) // rows_per_token)
+    return max(1, min(block_q, pl.next_power_of_2(max_q_len), max_tokens))
+
+
 def addressable_blocks(num_blocks: int, block_elements: int, itemsize: int) -> int:
     """The most blocks (up to num_blocks) of a pool that Triton addresses correctly."""
     size = num_blocks * block_elements
@@ -175,12 +190,14 @@ def ragged_paged_attention(
     logit_softcap: float | None = None,
     scale: float | None = None,
     max_q_len: int | None = None,
-    block_q: int = 16,
+    block_q: int = BLOCK_Q,
     pages_per_tile: int | None = None,
     num_splits: int = 1,
+    work: Int[Array, "T 2"] | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "N H D"]:
-    """Same contract as `ragged_paged_attention_reference`; `block_q` new tokens per work tile."""
+    """Same contract as `ragged_paged_attention_reference`; at most `block_q` new tokens per work
+    tile. `work` (kernel_work_list with `kernel_tile_tokens` tokens, built on the host) may be given."""
     n, h, d = q.shape
     nb, bs, kh, dk = k_pool.shape
     s, mb = block_tables.shape
@@ -195,11 +212,9 @@ def ragged_paged_attention(
     check_addressable(k_pool)
     if cu_q_lens.shape != (s + 1,) or kv_lens.shape != (s,):
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")
-    group_pad = pl.next_power_of_2(h // kh)
-    max_tokens = max(1, MAX_TILE_ELEMENTS // (group_pad * d))
-    tokens = max(1, min(block_q, pl.next_power_of_2(max_q_len or n), max_tokens))
-    group_pad = max(group_pad, 16 // tokens)  # a tile needs >= 16 rows for the MMA
-    num_warps = 8 if tokens * group_pad * d >= MAX_TILE_ELEMENTS // 2 else 4
+    tokens = kernel_tile_tokens(h // kh, d, max_q_len or n, k_scales is not None, block_q)
+    group_pad = max(pl.next_power_of_2(h // kh), 16 // tokens)  # a tile needs >= 16 rows for the MMA
+    num_warps = 8 if tokens * group_pad * d >= _max_tile_elements(d, k_scales is not None) // 2 else 4
     if pages_per_tile is None:
         pages_per_tile = max(1, KEYS_PER_STEP // bs)
     pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))
@@ -220,7 +235,10 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
-    work = kernel_work_list(cu_q_lens.astype(jnp.int32), n, tokens)
+    if work is None:
+        work = kernel_work_list(cu_q_lens.astype(jnp.int32), n, tokens)
+    elif work.shape != (max_work_tiles(n, s + 1, tokens), 2):
+        raise ValueError(f"work {work.shape} is not kernel_work_list(cu_q_lens, {n}, {tokens}) for {s} sequences")
     if k_scales is None:
         k_scales = v_scales = jnp.ones((1, 1, kh), jnp.float32)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, g, c: (0,) * len(shape))

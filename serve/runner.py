@@ -32,6 +32,9 @@ from pallas_kernels import (
     paged_impl,
     tile_plan,
 )
+from pallas_kernels.kv_quant import is_quantized_kv
+from pallas_kernels.paged_tiles import kernel_work_list
+from pallas_kernels.ragged_paged_attention import kernel_tile_tokens
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
 from serve.config import kv_storage_dtype
 from serve.host_transfer import pack, unpack
@@ -237,7 +240,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.num_scheduler_steps = num_scheduler_steps
-        self.host_plan = paged_impl(attn_impl) == "xla"  # the XLA attention reads a host-built tile plan
+        self.attn_impl = paged_impl(attn_impl)
         self.graphdef, self.state = nnx.split(model)
         dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
         self.caches = [
@@ -287,7 +290,8 @@ class ModelRunner:
         plan = inputs.get("plan")
         if plan is not None and q_pos is not None:
             plan = dataclasses.replace(plan, q_pos=q_pos[:, None])
-        return PagedMetadata(slots, inputs["block_tables"], inputs["cu_q_lens"], kv_lens, max_q_len, plan)
+        meta = (inputs["block_tables"], inputs["cu_q_lens"], kv_lens, max_q_len, plan, inputs.get("work"))
+        return PagedMetadata(slots, *meta)
 
     @staticmethod
     def _input_ids(inputs: dict, prev_tokens: jax.Array) -> jax.Array:
@@ -496,9 +500,20 @@ class ModelRunner:
             batch.grammar_rows = [
                 (s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None and batch.samples[i]
             ]
-        if self.host_plan:
-            inputs["plan"] = tile_plan(cu, plan_kv, block_tables, self.block_size, tb, tile_tokens(max_q_len, tb), np)
+        self._add_work_tiles(inputs, plan_kv, tb, max_q_len)
         return batch
+
+    def _add_work_tiles(self, inputs: dict[str, Any], kv_lens: np.ndarray, tb: int, max_q_len: int) -> None:
+        """The attention's work tiles, built here on the host: a tile plan (XLA) or a work list (Pallas)."""
+        cu = inputs["cu_q_lens"]
+        if self.attn_impl == "xla":
+            tokens = tile_tokens(max_q_len, tb)
+            inputs["plan"] = tile_plan(cu, kv_lens, inputs["block_tables"], self.block_size, tb, tokens, np)
+        elif self.attn_impl == "pallas":
+            pool = self.caches[0].k
+            group = self.cfg.num_heads // self.cfg.num_kv_heads
+            tokens = kernel_tile_tokens(group, pool.shape[-1], max_q_len, is_quantized_kv(pool.dtype))
+            inputs["work"] = kernel_work_list(cu, tb, tokens, np)
 
     def budget(self, seq: Sequence) -> int:
         """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
@@ -581,16 +596,7 @@ class ModelRunner:
         )
         if num_steps == 1:
             inputs["prompt_targets"] = np.full(tb, -1, np.int32)
-        if self.host_plan:
-            inputs["plan"] = tile_plan(
-                inputs["cu_q_lens"],
-                inputs["kv_lens"],
-                inputs["block_tables"],
-                self.block_size,
-                tb,
-                tile_tokens(q, tb),
-                np,
-            )
+        self._add_work_tiles(inputs, inputs["kv_lens"], tb, q)
         empty = np.zeros(0, np.int32)
         batch = StepBatch(
             [], empty, empty, np.zeros(0, bool), inputs, self.slots.sampling(empty, sb, empty), q, num_steps

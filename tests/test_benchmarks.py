@@ -36,6 +36,15 @@ def test_paged_attention_benchmark_quick(tmp_path):
     ours = [row for row in result["decode"] if row["impl"] == "ours"]
     assert {row["kv"] for row in ours} == {"bf16", "int8", "fp8"} and all(row["max_err"] < 2e-2 for row in ours)
     assert result["prefill"][0]["max_err"] < 2e-2 and (tmp_path / "paged_attention.png").is_file()
+    assert result["prefill"][0]["flash_us"] > 0  # timed against our flash forward at the same shape
+
+
+def test_decode_bandwidth_targets():
+    from benchmarks.paged_attention import bandwidth_target
+
+    assert bandwidth_target(32, 4096) == 0.85 and bandwidth_target(256, 4096) == 0.85
+    assert bandwidth_target(8, 32768) == 0.60 and bandwidth_target(64, 512) == 0.60
+    assert bandwidth_target(1, 32768) is None
 
 
 def test_train_throughput_quick(tmp_path):

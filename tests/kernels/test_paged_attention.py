@@ -255,6 +255,25 @@ def test_merge_splits_matches_reference(dtype):
         merge_splits(o, lse[:, :5], dtype)
 
 
+def test_host_work_list_is_what_the_kernel_builds():
+    """A work list built on the host (numpy, as the serving runner does) gives the kernel's own result;
+    one built for another tile size is refused."""
+    from pallas_kernels.ragged_paged_attention import kernel_tile_tokens
+
+    q_lens, kv_lens = [1, 9, 0, 30], [13, 9, 0, 45]
+    pool = Pool(kv_lens, 8, 2, "float32", seed=14)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    n = sum(q_lens) + 3
+    q = jax.random.normal(jax.random.key(15), (n, 8, D))
+    args = (q, pool.clean["k_pool"], pool.clean["v_pool"], pool.block_tables, jnp.asarray(cu), pool.kv_lens)
+    tokens = kernel_tile_tokens(4, D, 30, quantized=False, block_q=8)
+    work = kernel_work_list(cu, n, tokens, np)
+    got = ragged_paged_attention(*args, max_q_len=30, block_q=8, work=jnp.asarray(work))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ragged_paged_attention(*args, max_q_len=30, block_q=8)))
+    with pytest.raises(ValueError, match="work"):
+        ragged_paged_attention(*args, max_q_len=30, block_q=8, work=jnp.asarray(kernel_work_list(cu, n, 2, np)))
+
+
 def test_padding_does_not_change_real_outputs():
     pool = Pool([20, 5, 0, 0], 8, 2, "float32", seed=4)
     q = jax.random.normal(jax.random.key(5), (12, 4, D))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.common import copy_bandwidth_gbs, device_seconds
@@ -33,6 +34,7 @@ from pallas_kernels import (
     ragged_attention,
 )
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
+from pallas_kernels.paged_tiles import kernel_work_list
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 H, KH = 32, 8  # Llama-3-8B attention: 32 query heads, 8 KV heads
@@ -75,10 +77,10 @@ def _shipped(q, kp, vp, tables, lengths, bs, interpret):
     )
 
 
-def _serving_decode(q, cache, tables, cu, lengths):
+def _serving_decode(q, cache, tables, cu, lengths, work):
     """Our decode exactly as the serving step calls it: the dispatcher's ragged entry, one token per
-    sequence (split-K chosen by the dispatcher)."""
-    meta = PagedMetadata(jnp.full(q.shape[:1], -1, jnp.int32), tables, cu, lengths, max_q_len=1)
+    sequence, the work list built on the host (split-K chosen by the dispatcher)."""
+    meta = PagedMetadata(jnp.full(q.shape[:1], -1, jnp.int32), tables, cu, lengths, max_q_len=1, work=work)
     return ragged_attention(q, cache, meta, impl="pallas")
 
 
@@ -106,9 +108,10 @@ def decode_rows(quick: bool, bandwidth: float, results: Results) -> None:
         q = jax.random.normal(jax.random.key(9), (b, H, d), jnp.bfloat16)
         lengths = jnp.full((b,), c, jnp.int32)
         cu = jnp.arange(b + 1, dtype=jnp.int32)
+        work = jnp.asarray(kernel_work_list(np.arange(b + 1, dtype=np.int32), b, 1, np))
         cache = PagedKVCache(k, v, scales.get("k_scales"), scales.get("v_scales"))
         # Everything a call reads is an argument, prepared here, outside the timed region.
-        impls: dict[str, tuple] = {"ours": (_serving_decode, (q, cache, tables, cu, lengths))}
+        impls: dict[str, tuple] = {"ours": (_serving_decode, (q, cache, tables, cu, lengths, work))}
         if kv == "bf16" and bs == 16:
             kp, vp = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))  # its [KH, NB, BS, D] layout
             shipped = functools.partial(_shipped, bs=bs, interpret=interpret)

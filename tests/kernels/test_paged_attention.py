@@ -21,7 +21,7 @@ class Pool:
     """A pool with shuffled, non-contiguous block tables; unowned blocks (and table padding) are
     poisoned with NaN so any read of a block a sequence does not own shows up in its output."""
 
-    def __init__(self, lens, bs, kh, dtype, seed=0, extra_blocks=5):
+    def __init__(self, lens, bs, kh, dtype, seed=0, extra_blocks=5, d=D):
         rng = np.random.default_rng(seed)
         pages = [-(-n // bs) for n in lens]
         nb = sum(pages) + extra_blocks
@@ -36,11 +36,11 @@ class Pool:
             owned[perm[c : c + p]] = True
             c += p
         self.block_tables = jnp.asarray(bt)
-        k = rng.standard_normal((nb, bs, kh, D)).astype(np.float32)
-        v = rng.standard_normal((nb, bs, kh, D)).astype(np.float32)
+        k = rng.standard_normal((nb, bs, kh, d)).astype(np.float32)
+        v = rng.standard_normal((nb, bs, kh, d)).astype(np.float32)
         self.kv_lens = jnp.asarray(lens, jnp.int32)
         if dtype in QUANTIZED:
-            (kq, ks), (vq, vs) = (quantize(jnp.asarray(x).reshape(-1, kh, D), QUANTIZED[dtype]) for x in (k, v))
+            (kq, ks), (vq, vs) = (quantize(jnp.asarray(x).reshape(-1, kh, d), QUANTIZED[dtype]) for x in (k, v))
             shape = (nb, bs, kh)
             self.clean = dict(
                 k_pool=kq.reshape(k.shape),
@@ -211,6 +211,51 @@ def test_tile_plan_host_equals_device(lens, seqs, tokens):
     assert sorted(flat[flat >= 0].tolist()) == list(range(int(cu[-1])))
     assert (host.out_index[: int(cu[-1])] >= 0).all() and (host.out_index[int(cu[-1]) :] == -1).all()
     assert (flat[host.out_index[: int(cu[-1])]] == np.arange(int(cu[-1]))).all()
+
+
+@pytest.mark.parametrize(
+    "d,gqa,bs,dtype,decode",
+    [
+        (64, 1, 16, "bfloat16", True),
+        (64, 4, 64, "int8", True),
+        (256, 8, 64, "fp8", True),
+        (128, 4, 32, "int8", False),
+        (128, 8, 16, "bfloat16", False),
+        (256, 1, 32, "bfloat16", False),
+    ],
+)
+def test_serving_head_dims_gqa_blocks_dtypes(d, gqa, bs, dtype, decode):
+    """The issue's matrix, each value at least once (head dims 64/128/256, GQA 1/4/8, pages of
+    16/32/64, bf16/int8/fp8, decode and prefill), on poisoned pools, one split and three."""
+    kh = 2
+    q_lens = [1, 1, 1, 0] if decode else [1, 37, 5, 0]
+    kv_lens = [70, 1, 129, 0] if decode else [70, 37, 129, 0]
+    pool = Pool(kv_lens, bs, kh, dtype, seed=16, d=d)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    n = sum(q_lens) + 2
+    q = jax.random.normal(jax.random.key(17), (n, kh * gqa, d), jnp.bfloat16)
+    scales = {k: v for k, v in pool.poisoned.items() if "scales" in k}
+    args = (pool.block_tables, cu, pool.kv_lens)
+    ref = ragged_paged_attention_reference(
+        q.astype(jnp.float32),
+        pool.clean["k_pool"],
+        pool.clean["v_pool"],
+        *args,
+        **{k: v for k, v in pool.clean.items() if "scales" in k},
+    )
+    for splits in (1, 3):
+        ours = ragged_paged_attention(
+            q,
+            pool.poisoned["k_pool"],
+            pool.poisoned["v_pool"],
+            *args,
+            max_q_len=max(q_lens),
+            num_splits=splits,
+            **scales,
+        )
+        assert ours.dtype == jnp.bfloat16 and not np.isnan(np.asarray(ours, np.float32)).any()
+        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref), atol=3e-2)
+        assert float(jnp.abs(ours[sum(q_lens) :].astype(jnp.float32)).max()) == 0.0
 
 
 @pytest.mark.parametrize(

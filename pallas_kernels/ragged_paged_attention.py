@@ -214,7 +214,7 @@ def ragged_paged_attention(
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")
     tokens = kernel_tile_tokens(h // kh, d, max_q_len or n, k_scales is not None, block_q)
     group_pad = max(pl.next_power_of_2(h // kh), 16 // tokens)  # a tile needs >= 16 rows for the MMA
-    num_warps = 8 if tokens * group_pad * d >= _max_tile_elements(d, k_scales is not None) // 2 else 4
+    num_warps = 8 if tokens * group_pad * d >= MAX_TILE_ELEMENTS // 2 else 4
     if pages_per_tile is None:
         pages_per_tile = max(1, KEYS_PER_STEP // bs)
     pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))

@@ -37,22 +37,29 @@ def max_work_tiles(n: int, s: int, tokens: int) -> int:
     return max(1, min(n, (n + s * (tokens - 1)) // tokens))
 
 
+def _tiles(q_lens: Any, tokens: int, num_tiles: int, xp: ModuleType) -> tuple[Any, Any, Any]:
+    """Tiles of `tokens` new tokens over sequences of q_lens, in order: each tile's sequence (len(q_lens)
+    for tiles past the work), its first token within that sequence, and each sequence's first tile."""
+    per_seq = (q_lens + tokens - 1) // tokens
+    first_tile = xp.cumsum(per_seq) - per_seq
+    t = xp.arange(num_tiles)
+    seq = count_at_most(first_tile + per_seq, t, xp)
+    q_start = (t - first_tile[xp.minimum(seq, q_lens.shape[0] - 1)]) * tokens
+    return seq, q_start, first_tile
+
+
 def work_tiles(cu_q_lens: Any, kv_lens: Any, tokens: int, num_tiles: int, xp: ModuleType = jnp) -> tuple[Any, Any]:
     """[num_tiles, 4] int32 rows (seq, first new token, q_len, kv_len), unused tiles with q_len 0;
     and each sequence's first tile. `xp` is jax.numpy (traced) or numpy (host)."""
     s = kv_lens.shape[0]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    per_seq = (q_lens + tokens - 1) // tokens
-    ends = xp.cumsum(per_seq)
-    t = xp.arange(num_tiles)
-    seq = count_at_most(ends, t, xp)
+    seq, q_start, first_tile = _tiles(q_lens, tokens, num_tiles, xp)
     valid = seq < s
     seq = xp.minimum(seq, s - 1)
-    q_start = (t - (ends[seq] - per_seq[seq])) * tokens
     info = xp.stack(
         [seq, xp.where(valid, q_start, 0), xp.where(valid, q_lens[seq], 0), xp.where(valid, kv_lens[seq], 0)], axis=1
     ).astype(xp.int32)
-    return info, ends - per_seq
+    return info, first_tile
 
 
 @jax.tree_util.register_dataclass
@@ -98,8 +105,5 @@ def kernel_work_list(cu_q_lens: Any, n: int, tokens: int, xp: ModuleType = jnp) 
     sequence S and a first token past n (they write nothing). Decode (tokens=1): tile t is token t."""
     s = cu_q_lens.shape[0] - 1
     q_lens = xp.concatenate([cu_q_lens[1:] - cu_q_lens[:-1], xp.asarray([n], cu_q_lens.dtype) - cu_q_lens[-1:]])
-    per_seq = (q_lens + tokens - 1) // tokens
-    ends = xp.cumsum(per_seq)
-    t = xp.arange(max_work_tiles(n, s + 1, tokens))
-    seq = xp.minimum(count_at_most(ends, t, xp), s)
-    return xp.stack([seq, (t - (ends[seq] - per_seq[seq])) * tokens], axis=1).astype(xp.int32)
+    seq, q_start, _ = _tiles(q_lens, tokens, max_work_tiles(n, s + 1, tokens), xp)
+    return xp.stack([xp.minimum(seq, s), q_start], axis=1).astype(xp.int32)

@@ -235,8 +235,9 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
     if work is None:
-        work = kernel_work_list(cu_q_lens.astype(jnp.int32), n, tokens)
+        work = kernel_work_list(cu_q_lens, n, tokens)
     elif work.shape != (max_work_tiles(n, s + 1, tokens), 2):
         raise ValueError(f"work {work.shape} is not kernel_work_list(cu_q_lens, {n}, {tokens}) for {s} sequences")
     if k_scales is None:
@@ -279,7 +280,7 @@ def ragged_paged_attention(
         name="jaxinfra_ragged_paged_attention",
     )(
         work,
-        cu_q_lens.astype(jnp.int32),
+        cu_q_lens,
         kv_lens.astype(jnp.int32),
         block_tables.astype(jnp.int32),
         q.reshape(rows, d),

@@ -245,7 +245,7 @@ class ModelRunner:
         dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
         self.caches = [
             PagedKVCache.zeros(
-                num_blocks, block_size, cfg.num_kv_heads, paged_head_dim(cfg.head_dim, paged_impl(attn_impl)), dtype
+                num_blocks, block_size, cfg.num_kv_heads, paged_head_dim(cfg.head_dim, self.attn_impl), dtype
             )
             for _ in range(cfg.num_layers)
         ]
@@ -290,8 +290,8 @@ class ModelRunner:
         plan = inputs.get("plan")
         if plan is not None and q_pos is not None:
             plan = dataclasses.replace(plan, q_pos=q_pos[:, None])
-        meta = (inputs["block_tables"], inputs["cu_q_lens"], kv_lens, max_q_len, plan, inputs.get("work"))
-        return PagedMetadata(slots, *meta)
+        tables, cu = inputs["block_tables"], inputs["cu_q_lens"]
+        return PagedMetadata(slots, tables, cu, kv_lens, max_q_len, plan=plan, work=inputs.get("work"))
 
     @staticmethod
     def _input_ids(inputs: dict, prev_tokens: jax.Array) -> jax.Array:

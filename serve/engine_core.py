@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxinfra.config import ModelConfig
 from jaxinfra.loading import load_tokenizer
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
@@ -45,6 +46,17 @@ class CoreRequest:
 
 
 Logprob = tuple[float, np.ndarray, np.ndarray]  # log p(token), top ids, top logprobs
+
+
+def kv_cache_blocks(cfg: ModelConfig, args: EngineArgs, bytes_limit: int | None = None, bytes_in_use: int = 0) -> int:
+    """Blocks the engine gives the KV pools: `args.kv_cache_memory` bytes (256 MiB off GPU by default),
+    else on a GPU the `gpu_memory_utilization` share of its allocator's `bytes_limit` less what is in
+    use when the pools are sized (the weights). `jaxinfra plan-serve` calls this with planned bytes."""
+    if args.kv_cache_memory is not None or bytes_limit is None:
+        memory = args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
+    else:
+        memory = int(bytes_limit * args.gpu_memory_utilization) - bytes_in_use
+    return num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, memory, args.attn_impl)
 
 
 def _logprobs(token: int, lp: Logprob, k: int) -> TokenLogprobs:
@@ -115,10 +127,8 @@ class EngineCore:
         device = jax.devices()[0]
         if device.platform == "gpu" and args.kv_cache_memory is None:
             stats = device.memory_stats()
-            memory = int(stats["bytes_limit"] * args.gpu_memory_utilization) - stats["bytes_in_use"]
-        else:
-            memory = args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
-        return num_blocks_for_memory(model, args.block_size, args.kv_cache_dtype, memory, args.attn_impl)
+            return kv_cache_blocks(model.cfg, args, stats["bytes_limit"], stats["bytes_in_use"])
+        return kv_cache_blocks(model.cfg, args)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -22,7 +22,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
+from jaxinfra.models.llama import LayerStack, layer_graph, merge_params, stack_layers, unstack_layers
 from pallas_kernels import (
     PagedKVCache,
     PagedMetadata,
@@ -72,15 +74,16 @@ def fit(n: int, options: list[int]) -> int:
 
 
 def num_blocks_for_memory(
-    model: LlamaModel, block_size: int, kv_dtype: str, memory_bytes: int, attn_impl: str | None = None
+    cfg: ModelConfig, block_size: int, kv_dtype: str, memory_bytes: int, attn_impl: str | None = None
 ) -> int:
-    cfg = model.cfg
+    """KV blocks (every layer's K and V pools) that `memory_bytes` hold, within what Triton addresses."""
     dtype = kv_storage_dtype(kv_dtype, cfg.dtype)
     d = paged_head_dim(cfg.head_dim, paged_impl(attn_impl))
     per_block = 2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes_per_element(dtype, d)
     num_blocks = int(memory_bytes // (per_block * block_size))
     block_elements = block_size * cfg.num_kv_heads * d
-    return addressable_blocks(num_blocks, block_elements, jnp.dtype(dtype).itemsize)
+    # every layer's blocks form one pool (stacked on a layers axis): it must be addressable whole
+    return addressable_blocks(num_blocks * cfg.num_layers, block_elements, jnp.dtype(dtype).itemsize) // cfg.num_layers
 
 
 @dataclasses.dataclass
@@ -243,23 +246,34 @@ class ModelRunner:
         self.attn_impl = paged_impl(attn_impl)
         self.graphdef, self.state = nnx.split(model)
         dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
-        self.caches = [
-            PagedKVCache.zeros(
-                num_blocks, block_size, cfg.num_kv_heads, paged_head_dim(cfg.head_dim, self.attn_impl), dtype
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        # One pool for every layer, stacked on a leading layers axis: the layers run as one scan.
+        self.kv_cache = PagedKVCache.zeros(
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            paged_head_dim(cfg.head_dim, self.attn_impl),
+            dtype,
+            num_layers=cfg.num_layers,
+        )
         self.rules = get_rules("tp")
         self.mesh = None
         if tensor_parallel_size > 1:  # weights and KV pools split over KV heads
             self.mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads)
             self.state = shard_state(self.state, self.mesh, self.rules.params)
-            pool = self.caches[0].k.shape
-            self.caches = jax.device_put(
-                self.caches, named_sharding((None, None, "kv_heads", "head_dim"), self.rules.params, pool, self.mesh)
+            axes = (None, None, None, "kv_heads", "head_dim")
+            self.kv_cache = jax.tree.map(
+                lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], self.rules.params, a.shape, self.mesh)),
+                self.kv_cache,
             )
-        # The weights travel as a flat list: flattening an nnx.State on every call costs more than the step.
-        self.weights, self.state_def = jax.tree.flatten(self.state)
+        params = nnx.to_pure_dict(self.state)
+        self.template = list(nnx.to_flat_state(self.state))
+        try:  # identical layers: their weights stacked once here, scanned in every step
+            self.layer_graph: tuple[nnx.GraphDef, list] | None = layer_graph(model.layers)
+            params = stack_layers(params)
+        except ValueError:
+            self.layer_graph = None
+        # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
+        self.weights, self.state_def = jax.tree.flatten(params)
         self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
         self.seq_buckets = buckets(max_num_seqs, 1)
         # Block-table columns (both attention implementations read only the pages a batch uses).
@@ -277,6 +291,15 @@ class ModelRunner:
     # --- device side ------------------------------------------------------------------------------
     def _traced(self) -> None:
         self.num_compilations += 1  # runs only while tracing: counts compilations
+
+    def _model(self, weights: list) -> tuple[LlamaModel, LayerStack | None]:
+        """The model (inside a jitted step) and, when its layers are stacked, the stack to scan."""
+        params = jax.tree.unflatten(self.state_def, weights)
+        if self.layer_graph is None:
+            return merge_params(self.graphdef, self.template, params), None
+        # the per-layer slices serve the template only: the scan reads the stack, XLA drops the slices
+        per_layer = unstack_layers(params, self.cfg.num_layers)
+        return merge_params(self.graphdef, self.template, per_layer), LayerStack(*self.layer_graph, params["layers"])
 
     def _sharded(self, fn, *args, **kwargs):
         if self.mesh is None:
@@ -328,10 +351,10 @@ class ModelRunner:
         return self._sharded(self._forward_and_sample, state, caches, inputs, sampling, prev_tokens, max_q_len)
 
     def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, state))
+        model, stack = self._model(state)
         meta = self._meta(inputs, inputs["kv_lens"], inputs["slot_mapping"], max_q_len)
         ids = self._input_ids(inputs, prev_tokens)
-        h, caches = model.hidden_states(ids[None], inputs["positions"][None], meta, caches)
+        h, caches = model.hidden_states(ids[None], inputs["positions"][None], meta, caches, stack)
         h = h[0]
         logits = model.logits(h[inputs["logits_indices"]])
         out = sample(logits, sampling, eos_ids=self.eos_token_ids)
@@ -370,7 +393,7 @@ class ModelRunner:
     def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, num_steps):
         """Up to num_steps decode steps; a row stops at EOS, a stop id or its budget (as the host
         checks), and the loop ends early once every row has stopped. Tokens [K, S], -1 where none."""
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.state_def, state))
+        model, stack = self._model(state)
         s = budget.shape[0]
         eos = jnp.asarray(self.eos_token_ids or (-1,), jnp.int32)
         rows = jnp.arange(s)
@@ -382,7 +405,7 @@ class ModelRunner:
             block = tables[rows, jnp.minimum(pos // self.block_size, tables.shape[1] - 1)]
             slots = jnp.where(active, block * self.block_size + pos % self.block_size, -1)
             meta = self._meta(inputs, jnp.where(active, kv0 + i, 0), slots, 1, jnp.where(active, pos, -1))
-            h, caches = model.hidden_states(ids[None], pos[None], meta, caches)
+            h, caches = model.hidden_states(ids[None], pos[None], meta, caches, stack)
             t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
             out = sample(model.logits(h[0]), t, eos_ids=self.eos_token_ids)
             produced = t.out_pos + 1
@@ -510,7 +533,7 @@ class ModelRunner:
             tokens = tile_tokens(max_q_len, tb)
             inputs["plan"] = tile_plan(cu, kv_lens, inputs["block_tables"], self.block_size, tb, tokens, np)
         elif self.attn_impl == "pallas":
-            pool = self.caches[0].k
+            pool = self.kv_cache.k
             group = self.cfg.num_heads // self.cfg.num_kv_heads
             tokens = kernel_tile_tokens(group, pool.shape[-1], max_q_len, is_quantized_kv(pool.dtype))
             inputs["work"] = kernel_work_list(cu, tb, tokens, np)
@@ -535,14 +558,14 @@ class ModelRunner:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
         if batch.num_steps > 1:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
-            out, self.caches = self._multi(
-                self.weights, self.caches, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
+            out, self.kv_cache = self._multi(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
             )
             self.prev_tokens, self.prev_rows = self._no_prev, {}
             return InFlight(batch, out, ())
         buffers, layout = pack((batch.inputs, batch.sampling))
-        out, padded, logits, prompt, self.caches = self._step(
-            self.weights, self.caches, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+        out, padded, logits, prompt, self.kv_cache = self._step(
+            self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )
         if batch.history is not None:
             sb = batch.history[0].shape[0]
@@ -562,12 +585,12 @@ class ModelRunner:
         if batch.num_steps > 1:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
             lowered = self._multi.lower(
-                self.weights, self.caches, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
             )
         else:
             buffers, layout = pack((batch.inputs, batch.sampling))
             lowered = self._step.lower(
-                self.weights, self.caches, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
             )
         return lowered.compile().as_text() or ""
 
@@ -621,5 +644,5 @@ class ModelRunner:
             jobs.append(batch)
         for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):
             self.dispatch(batch)
-        jax.block_until_ready(self.caches)
+        jax.block_until_ready(self.kv_cache)
         self.prev_tokens, self.prev_rows = self._no_prev, {}

@@ -1,0 +1,204 @@
+"""Tenants: who a key belongs to, its quotas, priority and prefix-cache group (`--api-keys-file`),
+and the per-tenant accounting that turns quotas into 429s with a Retry-After.
+
+The keys file (YAML):
+
+    tenants:
+      search: {requests_per_minute: 600, tokens_per_minute: 200000, max_concurrent: 32, priority: 0}
+      docs:   {tokens_per_minute: 50000, prefix_cache_group: shared}   # tenants naming one group share
+      wiki:   {prefix_cache_group: shared}                             # cached prefixes; others never do
+    keys:
+      sk-search-1: search
+      sha256:<hex digest of the key>: docs      # a key may be given by its SHA-256 instead
+
+Every limit is optional (absent = unlimited). Tokens are prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+WINDOW_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tenant:
+    name: str
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    priority: int = 0  # added to each request's priority (lower runs first) with --scheduling-policy priority
+    prefix_cache_group: str | None = None  # default: the tenant's own name ("" = the server's shared cache)
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"tenant {self.name!r}: {name} must be a positive int, got {value!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"tenant {self.name!r}: priority must be an int, got {self.priority!r}")
+        if self.prefix_cache_group is not None and not isinstance(self.prefix_cache_group, str):
+            raise ValueError(f"tenant {self.name!r}: prefix_cache_group must be a string")
+
+    def cache_salt(self, request_salt: str | None) -> str | None:
+        """The salt the engine hashes into the request's prefix-cache keys: the tenant's group
+        first, so no request of another group can produce the same block hashes."""
+        group = self.name if self.prefix_cache_group is None else self.prefix_cache_group
+        if not group:
+            return request_salt
+        return f"tenant:{group}\x00{request_salt or ''}"
+
+
+def load_keys_file(path: str | Path) -> dict[bytes, Tenant]:
+    """Key digests (SHA-256) -> tenants, from the YAML above; a ValueError naming the problem
+    (never the key) for anything malformed."""
+    where = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--api-keys-file {where}: cannot read it: {e}") from e
+    if not isinstance(data, dict) or set(data) != {"tenants", "keys"}:
+        raise ValueError(f"--api-keys-file {where}: expected a mapping with exactly 'tenants' and 'keys'")
+    tenants_raw, keys_raw = data["tenants"], data["keys"]
+    if not isinstance(tenants_raw, dict) or not tenants_raw:
+        raise ValueError(f"--api-keys-file {where}: 'tenants' must be a non-empty mapping of name -> limits")
+    if not isinstance(keys_raw, dict) or not keys_raw:
+        raise ValueError(f"--api-keys-file {where}: 'keys' must be a non-empty mapping of key -> tenant name")
+    known = {f.name for f in dataclasses.fields(Tenant)} - {"name"}
+    tenants: dict[str, Tenant] = {}
+    for name, limits in tenants_raw.items():
+        limits = limits or {}
+        if not isinstance(limits, dict):
+            raise ValueError(f"--api-keys-file {where}: tenant {name!r} must map to a mapping of limits")
+        unknown = sorted(set(limits) - known)
+        if unknown:
+            raise ValueError(f"--api-keys-file {where}: tenant {name!r} has unknown field(s) {unknown}")
+        try:
+            tenants[str(name)] = Tenant(name=str(name), **limits)
+        except ValueError as e:
+            raise ValueError(f"--api-keys-file {where}: {e}") from e
+    out: dict[bytes, Tenant] = {}
+    for n, (key, name) in enumerate(keys_raw.items()):
+        if name not in tenants:
+            raise ValueError(f"--api-keys-file {where}: key #{n + 1} names unknown tenant {name!r}")
+        digest = _digest(str(key), where, n)
+        if digest in out:
+            raise ValueError(f"--api-keys-file {where}: key #{n + 1} is listed twice")
+        out[digest] = tenants[name]
+    return out
+
+
+def _digest(key: str, where: str, n: int) -> bytes:
+    if key.startswith("sha256:"):
+        try:
+            digest = bytes.fromhex(key.removeprefix("sha256:"))
+        except ValueError:
+            digest = b""
+        if len(digest) != 32:
+            raise ValueError(f"--api-keys-file {where}: key #{n + 1} is not a valid sha256:<64 hex digits>")
+        return digest
+    if len(key) < 8:
+        raise ValueError(f"--api-keys-file {where}: key #{n + 1} is shorter than 8 characters")
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+@dataclasses.dataclass
+class _Usage:
+    requests: deque[float] = dataclasses.field(default_factory=deque)  # admission times
+    tokens: deque[tuple[float, int]] = dataclasses.field(default_factory=deque)  # (time, tokens)
+    token_sum: int = 0
+    in_flight: int = 0
+    admitted: int = 0
+    refused: int = 0
+
+    def expire(self, now: float) -> None:
+        while self.requests and self.requests[0] <= now - WINDOW_S:
+            self.requests.popleft()
+        while self.tokens and self.tokens[0][0] <= now - WINDOW_S:
+            self.token_sum -= self.tokens.popleft()[1]
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, math.ceil(retry_after))
+
+
+class TenantQuotas:
+    """Sliding one-minute windows of requests and tokens and a count in flight, per tenant."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.usage: dict[str, _Usage] = {}
+
+    def admit(self, tenant: Tenant, prompt_tokens: int) -> None:
+        """Count a request in (charging its prompt tokens), or raise QuotaExceeded with the seconds
+        after which the same request would fit."""
+        now = self.clock()
+        u = self.usage.setdefault(tenant.name, _Usage())
+        u.expire(now)
+        try:
+            if tenant.max_concurrent is not None and u.in_flight >= tenant.max_concurrent:
+                raise QuotaExceeded(f"tenant {tenant.name!r} has {u.in_flight} requests in flight (its limit)", 1)
+            rpm = tenant.requests_per_minute
+            if rpm is not None and len(u.requests) >= rpm:
+                raise QuotaExceeded(
+                    f"tenant {tenant.name!r} is over its {rpm} requests per minute", u.requests[0] + WINDOW_S - now
+                )
+            tpm = tenant.tokens_per_minute
+            if tpm is not None and u.token_sum + prompt_tokens > tpm:
+                raise QuotaExceeded(
+                    f"tenant {tenant.name!r} is over its {tpm} tokens per minute",
+                    self._tokens_free_at(u, tpm - prompt_tokens) - now,
+                )
+        except QuotaExceeded:
+            u.refused += 1
+            raise
+        u.requests.append(now)
+        u.in_flight += 1
+        u.admitted += 1
+        self.charge(tenant, prompt_tokens)
+
+    def _tokens_free_at(self, u: _Usage, allowed: int) -> float:
+        """When the window's tokens drop to `allowed` (a minute from now if they never will)."""
+        total = u.token_sum
+        for t, n in u.tokens:
+            total -= n
+            if total <= allowed:
+                return t + WINDOW_S
+        return self.clock() + WINDOW_S
+
+    def charge(self, tenant: Tenant, tokens: int) -> None:
+        if tokens:
+            u = self.usage.setdefault(tenant.name, _Usage())
+            u.tokens.append((self.clock(), tokens))
+            u.token_sum += tokens
+
+    def release(self, tenant: Tenant, generated_tokens: int) -> None:
+        """A request finished (or failed): it leaves the in-flight count and its output is charged."""
+        self.usage[tenant.name].in_flight -= 1
+        self.charge(tenant, generated_tokens)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per-tenant numbers for /status: in flight, requests and tokens in the last minute, totals."""
+        now = self.clock()
+        out = {}
+        for name, u in sorted(self.usage.items()):
+            u.expire(now)
+            out[name] = {
+                "in_flight": u.in_flight,
+                "requests_last_minute": len(u.requests),
+                "tokens_last_minute": u.token_sum,
+                "admitted": u.admitted,
+                "refused": u.refused,
+            }
+        return out

@@ -23,6 +23,7 @@ from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats, TokenLogprobs
+from serve.device_memory import memory_breakdown
 from serve.kv_cache import BlockManager
 from serve.runner import InFlight, LogprobArrays, ModelRunner, num_blocks_for_memory
 from serve.sampling_params import MAX_BANNED_STOP_IDS
@@ -381,6 +382,7 @@ class EngineCore:
             "stats": lambda: self.stats(),
             "check_invariants": self.check_invariants,
             "reset_prefix_cache": self.block_manager.reset_prefix_cache,
+            "memory": lambda: memory_breakdown(self.runner.weights, self.runner.kv_cache),
         }
         if method not in calls:
             raise ValueError(f"unknown utility call {method!r}")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from serve.core_types import SchedulerStats
+from serve.live_stats import LiveStats
 from serve.output_processor import RequestIteration
+from serve.sampling_params import SamplingParams
 
 LATENCY_BUCKETS = (
     0.001,
@@ -32,22 +36,37 @@ LATENCY_BUCKETS = (
 )
 
 
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """A request in flight, as the metrics see it."""
+
+    tenant: str
+    generated: int = 0
+    last_token: float | None = None
+
+
 class ServerMetrics:
-    """Fed by the frontend after each batch of core outputs; rendered by GET /metrics."""
+    """Fed by the frontend after each batch of core outputs; rendered by GET /metrics. Request-level
+    series carry a `tenant` label (empty without --api-keys-file); `live` keeps what /status shows."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        per_request = ["model_name", "tenant"]
         r = self.registry
 
-        def hist(name: str, doc: str) -> Histogram:
-            return Histogram(f"jaxinfra:{name}", doc, labels, registry=r, buckets=LATENCY_BUCKETS).labels(model_name)
+        def hist(name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"jaxinfra:{name}", doc, per_request, registry=r, buckets=buckets)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"jaxinfra:{name}", doc, labels, registry=r).labels(model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"jaxinfra:{name}", doc, labels, registry=r).labels(model_name)
+        def counter(name: str, doc: str, label_names: list[str] = labels) -> Counter:
+            return Counter(f"jaxinfra:{name}", doc, label_names, registry=r)
 
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
@@ -55,24 +74,49 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (their KV freed, recomputed later).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.success = Counter(
-            "jaxinfra:request_success",
-            "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=r,
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.", per_request)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.", per_request)
+        self.success = counter(
+            "request_success", "Finished requests, by finish reason.", [*per_request, "finished_reason"]
         )
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.")
+        self.tpot = hist(
+            "request_time_per_output_token_seconds", "A request's mean time per output token after the first."
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first output token.")
+        self.decode = hist("request_decode_time_seconds", "First output token to finish.")
+        self.inference = hist("request_inference_time_seconds", "First scheduled to finish.")
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length of each request, in tokens.", TOKEN_BUCKETS)
+        self.generation_len = hist(
+            "request_generation_tokens", "Tokens generated for each request (all its sequences).", TOKEN_BUCKETS
+        )
+        self.max_tokens = hist("request_params_max_tokens", "Each request's max_tokens.", TOKEN_BUCKETS)
+        self.params_n = hist("request_params_n", "Each request's n (sequences per prompt).", N_BUCKETS)
         self.model_name = model_name
+        self.live = LiveStats()
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
-        self._last_token: dict[str, float] = {}
+        self._requests: dict[str, _Tracked] = {}
 
     def observe_prompt(self, num_tokens: int) -> None:
-        self.prompt_tokens.inc(num_tokens)
+        self.prompt_tokens.labels(self.model_name, "").inc(num_tokens)
+
+    def start_request(self, request_id: str, prompt_tokens: int, params: SamplingParams, tenant: str = "") -> None:
+        """An engine request was admitted: its prompt and parameters are counted under its tenant."""
+        self._requests[request_id] = _Tracked(tenant)
+        self.prompt_tokens.labels(self.model_name, tenant).inc(prompt_tokens)
+        self.prompt_len.labels(self.model_name, tenant).observe(prompt_tokens)
+        self.params_n.labels(self.model_name, tenant).observe(params.n)
+        if params.max_tokens is not None:
+            self.max_tokens.labels(self.model_name, tenant).observe(params.max_tokens)
+        self.live.start(request_id, prompt_tokens, tenant)
+
+    def finish_request(self, request_id: str) -> None:
+        """The HTTP call is over: forget the request even if the core never reported its end."""
+        self._requests.pop(request_id, None)
+        self.live.finish(request_id)
 
     def observe(self, iterations: list[RequestIteration], stats: SchedulerStats | None) -> None:
         now = time.monotonic()
@@ -87,26 +131,37 @@ class ServerMetrics:
             ):
                 if value < self._seen[key]:  # a restarted core counts from zero again
                     self._seen[key] = 0
-                metric.inc(value - self._seen[key])
+                metric.labels(self.model_name).inc(value - self._seen[key])
                 self._seen[key] = value
         for it in iterations:
             m = it.metrics
-            self.generation_tokens.inc(it.new_tokens)
+            req = self._requests.get(it.request_id) or _Tracked("")
+            tenant = (self.model_name, req.tenant)
+            self.generation_tokens.labels(*tenant).inc(it.new_tokens)
+            req.generated += it.new_tokens
             if it.first_tokens and m.first_token_time is not None:
-                self.ttft.observe(m.first_token_time - m.arrival_time)
+                self.ttft.labels(*tenant).observe(m.first_token_time - m.arrival_time)
                 if m.first_scheduled_time is not None:
-                    self.queue.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
-            elif it.new_tokens:
-                last = self._last_token.get(it.request_id, now)
-                gap = (now - last) / it.new_tokens
+                    self.queue.labels(*tenant).observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+                    self.prefill.labels(*tenant).observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+            elif it.new_tokens and req.last_token is not None:
+                gap = (now - req.last_token) / it.new_tokens
                 for _ in range(it.new_tokens):
-                    self.itl.observe(gap)
+                    self.itl.labels(*tenant).observe(gap)
             if it.new_tokens:
-                self._last_token[it.request_id] = now
+                req.last_token = now
             if it.finish_reason is not None:
-                self._last_token.pop(it.request_id, None)
-                self.e2e.observe(now - m.arrival_time)
-                self.success.labels(self.model_name, it.finish_reason).inc()
+                self._requests.pop(it.request_id, None)
+                self.e2e.labels(*tenant).observe(now - m.arrival_time)
+                self.success.labels(*tenant, it.finish_reason).inc()
+                self.generation_len.labels(*tenant).observe(req.generated)
+                if m.first_token_time is not None:
+                    self.decode.labels(*tenant).observe(now - m.first_token_time)
+                    if req.generated > 1:
+                        self.tpot.labels(*tenant).observe((now - m.first_token_time) / (req.generated - 1))
+                if m.first_scheduled_time is not None:
+                    self.inference.labels(*tenant).observe(now - m.first_scheduled_time)
+        self.live.observe(iterations, stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

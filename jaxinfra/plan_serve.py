@@ -1,0 +1,405 @@
+"""Serving capacity planner (`jaxinfra plan-serve`): from a model, a device and a workload to the KV
+blocks the engine will allocate, the context it can serve and the concurrency the pool holds.
+
+The block count comes from the engine's own function (serve.engine_core.kv_cache_blocks) fed the
+bytes the engine would see on the device: XLA's allocator limit (a fraction of the device's memory,
+0.75 unless XLA_CLIENT_MEM_FRACTION says otherwise) times `gpu_memory_utilization`, less the
+weights in use when the pools are sized. The engine sizes the pools on the first device before
+sharding anything, so under tensor parallelism all the weights and all KV heads count there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from jaxinfra.config import ModelConfig
+
+MIB = 2**20
+GPUS: dict[str, int] = {  # device memory in bytes, as the driver reports it (nvidia-smi's total)
+    "h100-80gb": 81559 * MIB,
+    "h200": 143771 * MIB,
+    "a100-40gb": 40960 * MIB,
+    "a100-80gb": 81920 * MIB,
+    "l4": 23034 * MIB,
+    "l40s": 46068 * MIB,
+}
+GPU_ALIASES = {"h100": "h100-80gb", "h200-141gb": "h200", "a100": "a100-80gb", "l4-24gb": "l4", "l40s-48gb": "l40s"}
+XLA_MEM_FRACTION = 0.75  # XLA's GPU allocator default share of device memory
+KV_VARIANTS = ("auto", "int8", "fp8")
+WEIGHT_VARIANTS = (None, "int8", "int4")
+MAX_LEN_MARGIN = 1.2  # recommended max_model_len = 1.2 x the longest request seen
+
+
+def gpu_memory(name: str) -> int:
+    """Bytes of a GPU from the table (case-insensitive; e.g. H200, H100-80GB, A100-40GB, L4)."""
+    key = name.lower().replace(" ", "-")
+    key = GPU_ALIASES.get(key, key)
+    if key not in GPUS:
+        raise ValueError(f"unknown --gpu {name!r}; known: {', '.join(GPUS)} (or give --device-memory)")
+    return GPUS[key]
+
+
+def default_mem_fraction() -> float:
+    """The share of GPU memory XLA's allocator takes: its environment variables, else 0.75."""
+    text = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return float(text) if text else XLA_MEM_FRACTION
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Request lengths in tokens: P50 and P99 of prompt and output, and the longest request seen."""
+
+    prompt_p50: int
+    prompt_p99: int
+    output_p50: int
+    output_p99: int
+    longest: int  # prompt + output of the longest request (from percentiles: P99 + P99)
+
+    @classmethod
+    def from_percentiles(cls, prompt: tuple[int, int], output: tuple[int, int]) -> Workload:
+        for field, (p50, p99) in (("--prompt-len", prompt), ("--output-len", output)):
+            if not 0 < p50 <= p99:
+                raise ValueError(f"{field} wants P50,P99 with 0 < P50 <= P99, got {p50},{p99}")
+        return cls(prompt[0], prompt[1], output[0], output[1], prompt[1] + output[1])
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path) -> Workload:
+        """One request per line: `prompt_tokens` and `completion_tokens`, at the top level or under
+        `usage` (OpenAI responses as logged)."""
+        prompts, outputs = [], []
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            usage = row.get("usage", row) if isinstance(row, dict) else None
+            lengths = [
+                usage.get(k) if isinstance(usage, dict) else None for k in ("prompt_tokens", "completion_tokens")
+            ]
+            if not all(isinstance(n, int) and n >= 0 for n in lengths):
+                raise ValueError(f"{path}:{number}: wants integer prompt_tokens and completion_tokens")
+            prompts.append(lengths[0])
+            outputs.append(lengths[1])
+        if not prompts:
+            raise ValueError(f"{path}: no requests")
+        totals = [p + o for p, o in zip(prompts, outputs, strict=True)]
+        return cls(
+            percentile(prompts, 50),
+            percentile(prompts, 99),
+            percentile(outputs, 50),
+            percentile(outputs, 99),
+            max(totals),
+        )
+
+
+def percentile(values: list[int], q: float) -> int:
+    """Nearest-rank percentile: the smallest value with at least q% of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100 * len(ordered)), 1) - 1]
+
+
+@functools.lru_cache(maxsize=16)
+def weight_bytes(cfg: ModelConfig, quantization: str | None = None) -> int:
+    """Bytes of the model's weights as the engine holds them (dense, or rounded to int8/int4 on load),
+    from the model built as shapes only: nothing is allocated."""
+    import jax
+    from flax import nnx
+
+    from jaxinfra.loading import ON_THE_FLY
+    from jaxinfra.models import LlamaModel
+    from jaxinfra.quant.quantize import QuantizeConfig, quantize_model
+
+    def build() -> LlamaModel:
+        model = LlamaModel(cfg, nnx.Rngs(0))
+        return (
+            model if quantization is None else quantize_model(model, None, QuantizeConfig(**ON_THE_FLY[quantization]))
+        )
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build))))
+
+
+def step_workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, tensor_parallel_size: int = 1) -> int:
+    """Estimated activations of one serving step of `tokens` tokens (forward only: one layer's
+    intermediates live at a time): residual and its norm, Q/K/V, the attention output and the
+    SwiGLU gate/up/product per token, plus float32 logits and probabilities at `seqs` rows."""
+    import jax.numpy as jnp
+
+    a = jnp.dtype(cfg.dtype).itemsize
+    heads = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_token = 2 * cfg.hidden_size + (heads + 3 * cfg.intermediate_size) // tensor_parallel_size
+    return tokens * per_token * a + 2 * seqs * cfg.vocab_size * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the engine sees: `total` bytes of device memory (None: off GPU, where the pool takes
+    EngineArgs.kv_cache_memory) of which XLA's allocator takes `mem_fraction`."""
+
+    name: str
+    total: int | None
+    mem_fraction: float = XLA_MEM_FRACTION
+
+    @property
+    def bytes_limit(self) -> int | None:
+        return None if self.total is None else int(self.total * self.mem_fraction)
+
+
+@dataclasses.dataclass
+class ServePlan:
+    """One configuration's numbers; bytes are per device unless named otherwise."""
+
+    model: str
+    device: str
+    tensor_parallel_size: int
+    kv_cache_dtype: str
+    quantization: str | None
+    block_size: int
+    gpu_memory_utilization: float
+    device_bytes: int | None
+    allocator_limit: int | None  # XLA's bytes_limit
+    weight_bytes_total: int
+    weight_bytes_per_device: int
+    workspace_bytes: int  # estimate for one step of max_num_batched_tokens
+    workspace_headroom: int | None  # allocator bytes gpu_memory_utilization leaves outside weights + KV
+    kv_bytes_per_token: int  # every layer's K and V (all heads; each device holds 1/TP of them)
+    num_blocks: int
+    kv_tokens: int
+    kv_pool_bytes_per_device: int
+    max_model_len_limit: int  # the longest context one request may have (pool and position limit)
+    concurrency_p50: int  # requests of P50 prompt + output length the pool holds at once (before max_num_seqs)
+    concurrency_p99: int
+    recommended_max_model_len: int
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def plan(model: str, cfg: ModelConfig, args: Any, device: Device, workload: Workload) -> ServePlan:
+    """The plan for engine arguments `args` (serve.config.EngineArgs) on `device`."""
+    from serve.engine_core import kv_cache_blocks
+    from serve.runner import num_blocks_for_memory
+
+    tp = args.tensor_parallel_size
+    if cfg.num_kv_heads % tp:
+        raise ValueError(f"num_kv_heads ({cfg.num_kv_heads}) must be divisible by tensor_parallel_size ({tp})")
+    weights = weight_bytes(cfg, args.quantization)
+    num_blocks = kv_cache_blocks(cfg, args, device.bytes_limit, weights)
+    notes = []
+    if num_blocks < 1:
+        raise ValueError(
+            f"{model} does not fit: weights {weights:,} B exceed {args.gpu_memory_utilization} of the "
+            f"allocator's {device.bytes_limit:,} B on {device.name}"
+        )
+    # bytes of one block: the engine's formula asked how many blocks a huge memory holds
+    probe = 1 << 60
+    block_bytes = probe // num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, probe, args.attn_impl)
+    per_token = math.ceil(block_bytes / args.block_size)
+    tokens = num_blocks * args.block_size
+    budget = max(args.max_num_batched_tokens or 2048, args.max_num_seqs)
+    workspace = step_workspace_bytes(cfg, budget, args.max_num_seqs, tp)
+    headroom = (
+        None
+        if device.bytes_limit is None
+        else device.bytes_limit - int(device.bytes_limit * args.gpu_memory_utilization)
+    )
+    if headroom is not None and workspace > headroom:
+        notes.append(
+            f"the step workspace (~{workspace / 2**30:.1f} GiB) exceeds what gpu_memory_utilization leaves "
+            f"({headroom / 2**30:.1f} GiB): lower it or max_num_batched_tokens"
+        )
+    if tp > 1:
+        notes.append(
+            "the engine sizes the pools on the first device before sharding (all weights, all KV heads), "
+            f"so each device's pool is 1/{tp} of its KV share"
+        )
+    limit = min(tokens, cfg.max_position_embeddings)
+
+    def concurrency(length: int) -> int:
+        return num_blocks // math.ceil(length / args.block_size)
+
+    if concurrency(workload.prompt_p50 + workload.output_p50) > args.max_num_seqs:
+        notes.append(f"max_num_seqs ({args.max_num_seqs}) caps the batch below what the pool holds at P50")
+    recommended = min(math.ceil(MAX_LEN_MARGIN * workload.longest), limit)
+    if MAX_LEN_MARGIN * workload.longest > limit:
+        notes.append(f"the longest request ({workload.longest} tokens) x {MAX_LEN_MARGIN} exceeds what fits ({limit})")
+    return ServePlan(
+        model=model,
+        device=device.name,
+        tensor_parallel_size=tp,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_bytes=device.total,
+        allocator_limit=device.bytes_limit,
+        weight_bytes_total=weights,
+        weight_bytes_per_device=weights // tp,
+        workspace_bytes=workspace,
+        workspace_headroom=headroom,
+        kv_bytes_per_token=per_token,
+        num_blocks=num_blocks,
+        kv_tokens=tokens,
+        kv_pool_bytes_per_device=num_blocks * block_bytes // tp,
+        max_model_len_limit=limit,
+        concurrency_p50=concurrency(workload.prompt_p50 + workload.output_p50),
+        concurrency_p99=concurrency(workload.prompt_p99 + workload.output_p99),
+        recommended_max_model_len=recommended,
+        notes=notes,
+    )
+
+
+def variants(model: str, cfg: ModelConfig, args: Any, device: Device, workload: Workload) -> list[ServePlan | str]:
+    """The same plan with an int8/fp8 KV cache and with int8/int4 weights (a reason where one cannot be)."""
+    out: list[ServePlan | str] = []
+    for kv in KV_VARIANTS:
+        for quant in WEIGHT_VARIANTS:
+            if (kv, quant) == (args.kv_cache_dtype, args.quantization):
+                continue
+            try:
+                out.append(
+                    plan(model, cfg, dataclasses.replace(args, kv_cache_dtype=kv, quantization=quant), device, workload)
+                )
+            except ValueError as e:
+                out.append(f"kv {kv}, weights {quant or 'dense'}: {e}")
+    return out
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload) -> str:
+    tp = p.tensor_parallel_size
+    rows = [
+        ("model", p.model),
+        ("device", f"{p.device} ({_gib(p.device_bytes)}), XLA allocator limit {_gib(p.allocator_limit)}"),
+        (
+            "settings",
+            f"TP {tp}, kv_cache_dtype {p.kv_cache_dtype}, weights {p.quantization or 'dense'}, "
+            f"block_size {p.block_size}, gpu_memory_utilization {p.gpu_memory_utilization}",
+        ),
+        (
+            "weights per device",
+            f"{p.weight_bytes_per_device:,} B ({_gib(p.weight_bytes_per_device)}; {_gib(p.weight_bytes_total)} in all)",
+        ),
+        (
+            "step workspace (estimate)",
+            f"{_gib(p.workspace_bytes)} (headroom left by utilization: {_gib(p.workspace_headroom)})",
+        ),
+        ("KV bytes per token", f"{p.kv_bytes_per_token:,} B (all layers, K and V)"),
+        (
+            "KV blocks",
+            f"{p.num_blocks:,} x {p.block_size} = {p.kv_tokens:,} tokens ({_gib(p.kv_pool_bytes_per_device)}/device)",
+        ),
+        ("largest max_model_len", f"{p.max_model_len_limit:,}"),
+        ("concurrency at P50", f"{p.concurrency_p50:,} requests of {workload.prompt_p50 + workload.output_p50} tokens"),
+        ("concurrency at P99", f"{p.concurrency_p99:,} requests of {workload.prompt_p99 + workload.output_p99} tokens"),
+        (
+            "recommended max_model_len",
+            f"{p.recommended_max_model_len:,} ({MAX_LEN_MARGIN} x the longest request, {workload.longest})",
+        ),
+    ]
+    lines = [f"{k:<27} {v}" for k, v in rows] + [f"note: {n}" for n in p.notes]
+    if others:
+        lines += [
+            "",
+            f"{'kv / weights':<16} {'weights/dev':>12} {'blocks':>9} {'KV tokens':>11} {'max len':>9} {'P50':>6} "
+            f"{'P99':>6}",
+        ]
+        for o in others:
+            if isinstance(o, str):
+                lines.append(o)
+                continue
+            name = f"{o.kv_cache_dtype} / {o.quantization or 'dense'}"
+            lines.append(
+                f"{name:<16} {_gib(o.weight_bytes_per_device):>12} {o.num_blocks:>9,} {o.kv_tokens:>11,} "
+                f"{o.max_model_len_limit:>9,} {o.concurrency_p50:>6,} {o.concurrency_p99:>6,}"
+            )
+    return "\n".join(lines)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected P50,P99 token counts, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def add_arguments(parser: argparse.ArgumentParser, model_default: str, model_help: str) -> None:
+    """`jaxinfra plan-serve`'s flags (engine flags keep `jaxinfra serve`'s names and defaults)."""
+    from jaxinfra.cli import parse_size
+
+    parser.add_argument("--model", default=model_default, help=model_help)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--gpu", default=None, help=f"a GPU from the table: {', '.join(GPUS)}")
+    where.add_argument("--device-memory", type=parse_size, default=None, help="device memory, e.g. 80GiB")
+    where.add_argument("--kv-cache-memory", type=parse_size, default=None, help="off GPU: the KV pool's bytes")
+    parser.add_argument(
+        "--xla-mem-fraction", type=float, default=None, help="XLA allocator share (default 0.75 or env)"
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3"))
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weights rounded on load")
+    parser.add_argument("--dtype", default="auto", help="weights' dtype (auto: the checkpoint's)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--attn-impl", default="pallas", choices=("pallas", "xla", "reference"))
+    parser.add_argument("--prompt-len", type=_pair, default=(512, 2048), help="prompt tokens P50,P99")
+    parser.add_argument("--output-len", type=_pair, default=(256, 1024), help="output tokens P50,P99")
+    parser.add_argument("--requests", default=None, help="JSONL of real requests (prompt_tokens, completion_tokens)")
+    parser.add_argument("--json", action="store_true", help="print the plan and its variants as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `jaxinfra plan-serve` on parsed flags."""
+    from jaxinfra.loading import load_config
+    from serve.config import EngineArgs
+
+    cfg = load_config(args.model)
+    if args.dtype != "auto":
+        cfg = cfg.replace(dtype=args.dtype)
+    fraction = default_mem_fraction() if args.xla_mem_fraction is None else args.xla_mem_fraction
+    if args.gpu:
+        device = Device(args.gpu, gpu_memory(args.gpu), fraction)
+    elif args.device_memory:
+        device = Device("device", args.device_memory, fraction)
+    else:
+        device = Device("cpu", None)
+    engine = EngineArgs(
+        model=args.model,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        attn_impl=args.attn_impl,
+    )
+    workload = (
+        Workload.from_jsonl(args.requests)
+        if args.requests
+        else Workload.from_percentiles(args.prompt_len, args.output_len)
+    )
+    main_plan = plan(args.model, cfg, engine, device, workload)
+    others = variants(args.model, cfg, engine, device, workload)
+    if args.json:
+        body = {
+            "plan": main_plan.to_dict(),
+            "workload": dataclasses.asdict(workload),
+            "variants": [o if isinstance(o, str) else o.to_dict() for o in others],
+        }
+        print(json.dumps(body, indent=2))
+    else:
+        print(format_plan(main_plan, others, workload))
+    return 0

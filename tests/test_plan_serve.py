@@ -1,0 +1,127 @@
+"""plan-serve: planned KV blocks equal what the engine allocates; Llama-3.1-8B on an H200 by hand."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import pytest
+from flax import nnx
+
+from jaxinfra.cli import main as cli_main
+from jaxinfra.config import ModelConfig
+from jaxinfra.loading import load_config
+from jaxinfra.models import LlamaModel
+from jaxinfra.plan_serve import GPUS, Device, Workload, plan, weight_bytes
+from pallas_kernels import PagedKVCache
+from serve.config import EngineArgs
+from serve.engine_core import EngineCore
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TINY = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
+WORKLOAD = Workload.from_percentiles((100, 400), (50, 200))
+
+
+def allocated_pool_bytes(core: EngineCore) -> int:
+    caches = jax.tree.leaves(vars(core.runner), is_leaf=lambda x: isinstance(x, PagedKVCache))
+    return sum(leaf.nbytes for c in caches if isinstance(c, PagedKVCache) for leaf in jax.tree.leaves(c))
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,block_size,memory", [("auto", 16, 3_000_000), ("int8", 32, 1_234_567), ("fp8", 16, 777_777)]
+)
+def test_planned_blocks_equal_allocated(kv_dtype: str, block_size: int, memory: int) -> None:
+    args = EngineArgs(
+        model="tiny",
+        block_size=block_size,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_memory=memory,
+        max_model_len=128,
+        max_num_seqs=4,
+        compilation_cache_dir="",
+    )
+    core = EngineCore(LlamaModel(TINY, nnx.Rngs(0)), args)
+    planned = plan("tiny", TINY, args, Device("cpu", None), WORKLOAD)
+    assert planned.num_blocks == core.block_manager.num_blocks > 0
+    assert planned.kv_pool_bytes_per_device == allocated_pool_bytes(core) <= memory
+    assert planned.kv_tokens == planned.num_blocks * block_size
+
+
+LLAMA_8B_PARAMS = (
+    2 * 128256 * 4096  # embeddings and LM head (untied)
+    + 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096)  # q, o, k, v, MLP, two norms
+    + 4096  # final norm
+)
+
+
+def hand_plan(kv_dtype: str, tp: int) -> dict[str, int]:
+    """Llama-3.1-8B (bf16) on an H200 with the engine's defaults, computed by hand."""
+    device = 143771 * 2**20
+    limit = int(device * 0.75)  # XLA's allocator share
+    weights = 2 * LLAMA_8B_PARAMS
+    per_token = 2 * 32 * 8 * 128 * (2 if kv_dtype == "auto" else 1) + (2 * 32 * 8 * 4 if kv_dtype == "int8" else 0)
+    blocks = (int(limit * 0.9) - weights) // (per_token * 16)  # all weights on device 0 when the pools are sized
+    return {
+        "weight_bytes_per_device": weights // tp,
+        "kv_bytes_per_token": per_token,
+        "num_blocks": blocks,
+        "kv_tokens": blocks * 16,
+        "kv_pool_bytes_per_device": blocks * 16 * per_token // tp,
+        "concurrency_p50": blocks // math.ceil((512 + 256) / 16),
+        "concurrency_p99": blocks // math.ceil((2048 + 1024) / 16),
+    }
+
+
+@pytest.mark.parametrize("kv_dtype,tp", [("auto", 1), ("int8", 1), ("auto", 2), ("int8", 2)])
+def test_llama_8b_on_h200_matches_hand_computed_bytes_and_readme(kv_dtype: str, tp: int) -> None:
+    cfg = load_config("llama-3.1-8b")
+    assert weight_bytes(cfg) == 2 * LLAMA_8B_PARAMS == 2 * cfg.num_params
+    args = EngineArgs(model="llama-3.1-8b", kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, attn_impl="pallas")
+    workload = Workload.from_percentiles((512, 2048), (256, 1024))
+    got = plan("llama-3.1-8b", cfg, args, Device("H200", GPUS["h200"]), workload).to_dict()
+    want = hand_plan(kv_dtype, tp)
+    assert {k: got[k] for k in want} == want
+    row = f"| {'bf16' if kv_dtype == 'auto' else 'int8'} | {tp} |"
+    line = next(x for x in README.read_text().splitlines() if x.startswith(row))
+    numbers = [int(n.replace(",", "")) for n in re.findall(r"\b\d[\d,]*\b", line.split("|", 3)[3])]
+    assert numbers == [
+        want["weight_bytes_per_device"],
+        want["kv_bytes_per_token"],
+        want["num_blocks"],
+        want["kv_tokens"],
+        want["concurrency_p50"],
+        want["concurrency_p99"],
+    ]
+
+
+def test_workload_from_jsonl_and_recommended_max_model_len(tmp_path: Path) -> None:
+    lines = [{"prompt_tokens": p, "completion_tokens": 10} for p in range(1, 101)]
+    lines[-1] = {"usage": {"prompt_tokens": 990, "completion_tokens": 10}}  # logged OpenAI responses nest it
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    w = Workload.from_jsonl(path)
+    assert (w.prompt_p50, w.prompt_p99, w.output_p50, w.output_p99, w.longest) == (50, 99, 10, 10, 1000)
+    args = EngineArgs(model="tiny", kv_cache_memory=10**8, max_num_seqs=4, compilation_cache_dir="")
+    p = plan("tiny", TINY.replace(max_position_embeddings=100_000), args, Device("cpu", None), w)
+    assert p.recommended_max_model_len == 1200
+    small = plan("tiny", TINY.replace(max_position_embeddings=1024), args, Device("cpu", None), w)
+    assert small.recommended_max_model_len == small.max_model_len_limit == 1024
+    assert any("exceeds what fits" in n for n in small.notes)
+    path.write_text('{"prompt_tokens": "many"}\n')
+    with pytest.raises(ValueError, match="requests.jsonl:1"):
+        Workload.from_jsonl(path)
+
+
+def test_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["plan-serve", "--model", "tiny-llama", "--gpu", "L4", "--json", "--prompt-len", "64,128"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["plan"]["device_bytes"] == GPUS["l4"] and body["plan"]["num_blocks"] > 0
+    kinds = {(v["kv_cache_dtype"], v["quantization"]) for v in body["variants"] if isinstance(v, dict)}
+    assert ("int8", None) in kinds and ("fp8", "int8") in kinds
+    assert cli_main(["plan-serve", "--model", "tiny-llama", "--gpu", "Z9"]) == 2
+    assert "unknown --gpu 'Z9'" in capsys.readouterr().err
+    assert cli_main(["plan-serve", "--model", "llama-3.1-8b", "--gpu", "L4", "--gpu-memory-utilization", "0.5"]) == 2
+    assert "does not fit" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The `jaxinfra` command line: serve, generate, train, convert, quantize, info, plan-train."""
+"""The `jaxinfra` command line: serve, generate, train, convert, quantize, info, plan-train, plan-serve."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxinfra import plan_serve
 from jaxinfra.config import DTYPES
 from jaxinfra.loading import DEFAULT_MODEL
 
@@ -264,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     info.add_argument("--dtype", choices=dtypes, default=None)
     info.set_defaults(func=_cmd_info)
+
+    ps = sub.add_parser("plan-serve", help="KV blocks, context and concurrency a GPU serves a model with")
+    plan_serve.add_arguments(ps, DEFAULT_MODEL, model_help)
+    ps.set_defaults(func=plan_serve.main)
     return parser
 
 

@@ -155,7 +155,9 @@ class _Common(_Lenient):
             elif rf is not None and rf.type == "json_schema":
                 if rf.json_schema is None or rf.json_schema.schema_ is None:
                     raise ValueError("response_format json_schema needs json_schema.schema")
-                found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+                lenient = rf.json_schema.strict is False  # OpenAI's strict: false -> JSON Schema's own reading
+                so = StructuredOutputsParams(json=rf.json_schema.schema_, additional_properties=lenient)
+                found.append(("response_format", so))
         except (TypeError, ValueError) as e:
             raise OpenAIError(400, str(e), param=found[-1][0] if found else "structured_outputs") from e
         if len(found) > 1:

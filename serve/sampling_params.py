@@ -17,13 +17,17 @@ OutputKind = Literal["cumulative", "delta", "final_only"]
 @dataclasses.dataclass
 class StructuredOutputsParams:
     """A constraint on the output (vLLM's `structured_outputs`): exactly one of a JSON schema (dict or
-    string), any JSON object, a regular expression, a choice among strings, or a Lark grammar."""
+    string), any JSON object, a regular expression, a choice among strings, or a Lark grammar.
+
+    additional_properties: whether a schema's objects that do not say otherwise may hold keys beyond
+    their `properties` (JSON Schema's reading); False (vLLM's default backend's reading) forbids them."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    additional_properties: bool = False
 
     def __post_init__(self) -> None:
         given = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]

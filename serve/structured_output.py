@@ -9,9 +9,10 @@ up-front grammar compilation on the serving path.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llnp
@@ -27,10 +28,37 @@ if TYPE_CHECKING:
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, not schemas
+
+
+def without_additional_properties(schema: Any) -> Any:
+    """A copy of a JSON schema where every object schema that lists `properties` and does not say
+    otherwise forbids other keys (`additionalProperties: false`), as vLLM's default backend reads it."""
+    schema = copy.deepcopy(schema)
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        if not isinstance(node, dict):
+            continue
+        if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for key, value in node.items():
+            if key in SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key not in NOT_SCHEMAS:
+                stack.append(value)
+    return schema
+
+
 def grammar_of(so: StructuredOutputsParams) -> str:
     """The llguidance grammar for a constraint (not yet checked: see GrammarCompiler.validate)."""
     if so.json is not None:
         schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        if not so.additional_properties:
+            schema = without_additional_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if so.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)

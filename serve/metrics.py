@@ -1,8 +1,10 @@
-"""Prometheus metrics with vLLM's set and definitions (names under the `jaxinfra:` prefix)."""
+"""Prometheus metrics with vLLM's set and definitions, named `<prefix>:<name>` (`jaxinfra:` by default;
+`vllm:` gives vLLM's exact names, for its Grafana dashboards and alert rules)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Sequence
 
@@ -53,20 +55,22 @@ class ServerMetrics:
     """Fed by the frontend after each batch of core outputs; rendered by GET /metrics. Request-level
     series carry a `tenant` label (empty without --api-keys-file); `live` keeps what /status shows."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "jaxinfra") -> None:
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
+            raise ValueError(f"metrics prefix must be a Prometheus name (letters, digits, _), got {prefix!r}")
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         per_request = ["model_name", "tenant"]
         r = self.registry
 
         def hist(name: str, doc: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
-            return Histogram(f"jaxinfra:{name}", doc, per_request, registry=r, buckets=buckets)
+            return Histogram(f"{prefix}:{name}", doc, per_request, registry=r, buckets=buckets)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"jaxinfra:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(f"{prefix}:{name}", doc, labels, registry=r).labels(model_name)
 
         def counter(name: str, doc: str, label_names: list[str] = labels) -> Counter:
-            return Counter(f"jaxinfra:{name}", doc, label_names, registry=r)
+            return Counter(f"{prefix}:{name}", doc, label_names, registry=r)
 
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")

@@ -2,18 +2,15 @@
 (collected from serve.metrics' registry); the alert rules pass their promtool unit tests."""
 
 import json
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
-
-from serve.metrics import ServerMetrics
+from deploy_helpers import exported_series, metric_names
 
 DEPLOY = Path(__file__).resolve().parents[1] / "configs" / "deploy"
-SUFFIXES = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",), "gauge": ("",)}
-PROMQL_WORDS = {"and", "or", "unless", "offset", "bool", "by", "without", "on", "ignoring", "group_left", "group_right"}
 VLLM_PANELS = (  # vLLM's Grafana panel set, as titles here
     "E2E request latency",
     "Time to first token",
@@ -27,29 +24,6 @@ VLLM_PANELS = (  # vLLM's Grafana panel set, as titles here
     "Prefix cache hit rate",
     "Finished requests by reason",
 )
-
-
-def exported_series() -> set[str]:
-    """Every series name GET /metrics can show, from the server's own registry."""
-    names = set()
-    for family in ServerMetrics("m").registry.collect():
-        names.update(family.name + s for s in SUFFIXES[family.type])
-    return names
-
-
-def metric_names(expr: str) -> set[str]:
-    """Identifiers of a PromQL expression that are neither functions nor keywords nor labels."""
-    text = re.sub(r'"[^"]*"', "", expr)
-    text = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", text)  # label matchers, ranges
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
-    names = set()
-    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
-        if text[m.end() :].lstrip().startswith("(") or m.group() in PROMQL_WORDS:
-            continue
-        if m.start() and (text[m.start() - 1].isdigit() or text[m.start() - 1] == "."):
-            continue  # the exponent or unit of a number
-        names.add(m.group())
-    return names
 
 
 def test_metric_name_parser() -> None:
@@ -66,20 +40,21 @@ def test_exported_names_come_from_the_registry() -> None:
     assert {"jaxinfra:kv_cache_usage_perc", "jaxinfra:request_success_total"} <= names
 
 
-def test_grafana_dashboard_queries_name_exported_metrics() -> None:
+@pytest.mark.parametrize("prefix", ["jaxinfra", "vllm"])  # the dashboard's `prefix` variable
+def test_grafana_dashboard_queries_name_exported_metrics(prefix: str) -> None:
     board = json.loads((DEPLOY / "grafana" / "jaxinfra.json").read_text())
-    exported = exported_series()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert prefix in variables["prefix"]["query"].split(",")
+    exported = exported_series(prefix)
     titles = [p["title"] for p in board["panels"]]
     for wanted in VLLM_PANELS:
         assert any(t.startswith(wanted) for t in titles), wanted
     used: set[str] = set()
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
     # template variables: label_values(<metric>, <label>)
-    exprs += [
-        v["definition"].split("(", 1)[1].split(",")[0] for v in board["templating"]["list"] if v["type"] == "query"
-    ]
+    exprs += [v["definition"].split("(", 1)[1].split(",")[0] for v in variables.values() if v["type"] == "query"]
     for expr in exprs:
-        names = metric_names(expr)
+        names = metric_names(expr.replace("${prefix}", prefix))
         assert names, expr
         assert names <= exported, (expr, names - exported)
         used |= names

@@ -17,9 +17,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfra.config import ModelConfig
+
+if TYPE_CHECKING:
+    from serve.config import EngineArgs
 
 MIB = 2**20
 GPUS: dict[str, int] = {  # device memory in bytes, as the driver reports it (nvidia-smi's total)
@@ -73,19 +76,17 @@ class Workload:
     def from_jsonl(cls, path: str | Path) -> Workload:
         """One request per line: `prompt_tokens` and `completion_tokens`, at the top level or under
         `usage` (OpenAI responses as logged)."""
-        prompts, outputs = [], []
+        prompts: list[int] = []
+        outputs: list[int] = []
         for number, line in enumerate(Path(path).read_text().splitlines(), 1):
             if not line.strip():
                 continue
             row = json.loads(line)
-            usage = row.get("usage", row) if isinstance(row, dict) else None
-            lengths = [
-                usage.get(k) if isinstance(usage, dict) else None for k in ("prompt_tokens", "completion_tokens")
-            ]
-            if not all(isinstance(n, int) and n >= 0 for n in lengths):
+            prompt, output = _tokens(row, "prompt_tokens"), _tokens(row, "completion_tokens")
+            if prompt is None or output is None:
                 raise ValueError(f"{path}:{number}: wants integer prompt_tokens and completion_tokens")
-            prompts.append(lengths[0])
-            outputs.append(lengths[1])
+            prompts.append(prompt)
+            outputs.append(output)
         if not prompts:
             raise ValueError(f"{path}: no requests")
         totals = [p + o for p, o in zip(prompts, outputs, strict=True)]
@@ -96,6 +97,13 @@ class Workload:
             percentile(outputs, 99),
             max(totals),
         )
+
+
+def _tokens(row: Any, key: str) -> int | None:
+    """A token count of a logged request, at the top level or under `usage`; None if absent or bad."""
+    usage = row.get("usage", row) if isinstance(row, dict) else None
+    n = usage.get(key) if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 def percentile(values: list[int], q: float) -> int:
@@ -181,22 +189,23 @@ class ServePlan:
         return dataclasses.asdict(self)
 
 
-def plan(model: str, cfg: ModelConfig, args: Any, device: Device, workload: Workload) -> ServePlan:
-    """The plan for engine arguments `args` (serve.config.EngineArgs) on `device`."""
+def plan(
+    model: str, cfg: ModelConfig, args: EngineArgs, device: Device, workload: Workload, weights: int | None = None
+) -> ServePlan:
+    """The plan for engine arguments `args` on `device`; `weights`: the bytes of a quantized checkpoint
+    (default: the model's weights as `args.quantization` leaves them)."""
     from serve.engine_core import kv_cache_blocks
     from serve.runner import num_blocks_for_memory
 
     tp = args.tensor_parallel_size
     if cfg.num_kv_heads % tp:
         raise ValueError(f"num_kv_heads ({cfg.num_kv_heads}) must be divisible by tensor_parallel_size ({tp})")
-    weights = weight_bytes(cfg, args.quantization)
+    weights = weight_bytes(cfg, args.quantization) if weights is None else weights
     num_blocks = kv_cache_blocks(cfg, args, device.bytes_limit, weights)
     notes = []
     if num_blocks < 1:
-        raise ValueError(
-            f"{model} does not fit: weights {weights:,} B exceed {args.gpu_memory_utilization} of the "
-            f"allocator's {device.bytes_limit:,} B on {device.name}"
-        )
+        where = "kv_cache_memory" if device.bytes_limit is None else f"{device.name} after {weights:,} B of weights"
+        raise ValueError(f"{model} does not fit: no KV block fits in what {where} leaves")
     # bytes of one block: the engine's formula asked how many blocks a huge memory holds
     probe = 1 << 60
     block_bytes = probe // num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, probe, args.attn_impl)
@@ -255,17 +264,19 @@ def plan(model: str, cfg: ModelConfig, args: Any, device: Device, workload: Work
     )
 
 
-def variants(model: str, cfg: ModelConfig, args: Any, device: Device, workload: Workload) -> list[ServePlan | str]:
-    """The same plan with an int8/fp8 KV cache and with int8/int4 weights (a reason where one cannot be)."""
+def variants(
+    model: str, cfg: ModelConfig, args: EngineArgs, device: Device, workload: Workload, weights: int | None = None
+) -> list[ServePlan | str]:
+    """The same plan with an int8/fp8 KV cache and with int8/int4 weights (a reason where one cannot
+    be); a quantized checkpoint (`weights` given) keeps its weights."""
     out: list[ServePlan | str] = []
     for kv in KV_VARIANTS:
-        for quant in WEIGHT_VARIANTS:
+        for quant in WEIGHT_VARIANTS if weights is None else (args.quantization,):
             if (kv, quant) == (args.kv_cache_dtype, args.quantization):
                 continue
+            changed = dataclasses.replace(args, kv_cache_dtype=kv, quantization=quant)
             try:
-                out.append(
-                    plan(model, cfg, dataclasses.replace(args, kv_cache_dtype=kv, quantization=quant), device, workload)
-                )
+                out.append(plan(model, cfg, changed, device, workload, weights))
             except ValueError as e:
                 out.append(f"kv {kv}, weights {quant or 'dense'}: {e}")
     return out
@@ -361,10 +372,15 @@ def add_arguments(parser: argparse.ArgumentParser, model_default: str, model_hel
 
 def main(args: argparse.Namespace) -> int:
     """Run `jaxinfra plan-serve` on parsed flags."""
-    from jaxinfra.loading import load_config
+    from jaxinfra.loading import checkpoint_quantization, load_config
     from serve.config import EngineArgs
 
     cfg = load_config(args.model)
+    weights = None  # a quantized checkpoint's are what it stores: packed weights, scales, the dense rest
+    if Path(args.model).is_dir() and checkpoint_quantization(Path(args.model)) is not None:
+        if args.quantization:
+            raise ValueError(f"{args.model} is already quantized: drop --quantization")
+        weights = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
     if args.dtype != "auto":
         cfg = cfg.replace(dtype=args.dtype)
     fraction = default_mem_fraction() if args.xla_mem_fraction is None else args.xla_mem_fraction
@@ -391,8 +407,8 @@ def main(args: argparse.Namespace) -> int:
         if args.requests
         else Workload.from_percentiles(args.prompt_len, args.output_len)
     )
-    main_plan = plan(args.model, cfg, engine, device, workload)
-    others = variants(args.model, cfg, engine, device, workload)
+    main_plan = plan(args.model, cfg, engine, device, workload, weights)
+    others = variants(args.model, cfg, engine, device, workload, weights)
     if args.json:
         body = {
             "plan": main_plan.to_dict(),

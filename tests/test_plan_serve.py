@@ -125,3 +125,16 @@ def test_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown --gpu 'Z9'" in capsys.readouterr().err
     assert cli_main(["plan-serve", "--model", "llama-3.1-8b", "--gpu", "L4", "--gpu-memory-utilization", "0.5"]) == 2
     assert "does not fit" in capsys.readouterr().err
+
+
+def test_quantized_checkpoint_plans_its_stored_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {**TINY.to_hf(), "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(bytes(54321))
+    argv = ["plan-serve", "--model", str(tmp_path), "--kv-cache-memory", "1MB", "--json"]
+    assert cli_main(argv) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["plan"]["weight_bytes_total"] == 54321
+    assert {(v["kv_cache_dtype"], v["quantization"]) for v in body["variants"]} == {("int8", None), ("fp8", None)}
+    assert cli_main([*argv, "--quantization", "int4"]) == 2
+    assert "already quantized" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     python -m benchmarks.serving_online --url http://127.0.0.1:8000 --model tiny-llama \\
         --num-requests 200 --rate 20 --arrival poisson --prompt shared-prefix --drop-fraction 0.1
-    python -m benchmarks.serving_online --local tiny-llama ...   # start our server in-process first
+    python -m benchmarks.serving_online --local tiny-llama ...   # start our server (python -m serve) first
 
 Streams every request (SSE) and reports request throughput, output tokens/s, TTFT, TPOT and ITL
 mean/p50/p90/p99, errors by status, and with --rates a PNG of latency against offered load.
@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,15 +200,16 @@ def print_summary(s: dict, label: str = "") -> None:
 
 
 @contextlib.contextmanager
-def local_server(model: str, **engine_kwargs):
-    """Our server on a free loopback port (its engine core in a child process); yields (url, engine)."""
-    from serve import EngineArgs
-    from serve.api_server import build_app, serve_in_thread
-    from serve.async_engine import AsyncEngine
+def local_server(model: str, out: Path, *flags: str):
+    """Our server (`python -m serve`) on a free loopback port, its log in `out`; yields its URL."""
+    from benchmarks.serving_vs_vllm import free_port, server
 
-    engine = AsyncEngine(EngineArgs(model=model, **engine_kwargs))
-    with serve_in_thread(build_app(engine, model_name=model, max_queue=4096)) as url:
-        yield url, engine
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve", "--model", model, "--served-model-name", model, "--port", str(port)]
+    cmd += ["--max-queue", "4096", *flags]
+    out.mkdir(parents=True, exist_ok=True)
+    with server(cmd, port, {}, out / "serving_online_server.log") as url:
+        yield url
 
 
 def pool_whole(url: str) -> bool:
@@ -243,10 +245,14 @@ def main() -> None:
     prompts = make_prompts(args.num_requests, args.prompt, args.input_len, seed=0)
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     with (
-        local_server(args.local, max_model_len=args.max_model_len, max_num_seqs=64, max_num_batched_tokens=256)
+        local_server(
+            args.local,
+            args.out,
+            *("--max-model-len", str(args.max_model_len), "--max-num-seqs", "64", "--max-num-batched-tokens", "256"),
+        )
         if args.local
-        else contextlib.nullcontext((args.url, None))
-    ) as (url, eng):
+        else contextlib.nullcontext(args.url)
+    ) as url:
         model = args.model or args.local
         summaries = []
         for rate in rates:
@@ -265,7 +271,7 @@ def main() -> None:
             )
             s = summarize(results, seconds)
             s["rate"] = rate
-            if eng is not None:
+            if args.local:
                 deadline = time.monotonic() + 5
                 while not pool_whole(url) and time.monotonic() < deadline:
                     time.sleep(0.05)

@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        from serve.api_server import main as serve_main
+        from serve.http.main import main as serve_main
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)

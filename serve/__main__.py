@@ -2,6 +2,6 @@
 
 import sys
 
-from serve.api_server import main
+from serve.http.main import main
 
 sys.exit(main())

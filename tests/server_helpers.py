@@ -3,17 +3,46 @@
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import httpx
+from fastapi import FastAPI
 from serve_helpers import ENGINE_DEFAULTS
 
 from serve import EngineArgs
-from serve.api_server import build_app, serve_in_thread
 from serve.async_engine import AsyncEngine
+from serve.http.app import build_app
 
 MODEL_NAME = "tiny"
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
+    """Run `app` with uvicorn on a background thread; yields its URL. Stopping it shuts the engine down."""
+    import uvicorn
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            app.state.server.engine.shutdown()
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        app.state.server.engine.shutdown()
 
 
 @contextlib.contextmanager

@@ -89,7 +89,7 @@ def test_readme_samples_are_what_the_model_generates():
 
 
 def test_serve_model_comes_from_flag_then_yaml_then_default(tmp_path):
-    from serve.api_server import build_parser, engine_args_from
+    from serve.http.cli_args import build_parser, engine_args_from
 
     def model_of(*argv):
         return engine_args_from(build_parser().parse_args(list(argv))).model

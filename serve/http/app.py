@@ -1,0 +1,63 @@
+"""The app factory: error handlers, middleware and each serving class's routes over one AsyncEngine.
+
+A new endpoint is a serving class (serving_base.OpenAIServing) added to SERVING_CLASSES; new
+middleware is a factory added to middleware.MIDDLEWARE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from serve.async_engine import AsyncEngine
+from serve.http.errors import add_error_handlers
+from serve.http.middleware import MIDDLEWARE
+from serve.http.serving_base import OpenAIServing
+from serve.http.serving_chat import ServingChat
+from serve.http.serving_completion import ServingCompletion
+from serve.http.serving_models import ServingModels
+from serve.http.serving_tokenization import ServingTokenization
+from serve.http.state import ServerState
+from serve.metrics import ServerMetrics
+
+SERVING_CLASSES: tuple[type[OpenAIServing], ...] = (
+    ServingModels,
+    ServingTokenization,
+    ServingCompletion,
+    ServingChat,
+)
+
+
+def build_app(
+    engine: AsyncEngine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    request_timeout: float | None = None,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    """The FastAPI app over a running AsyncEngine (its metrics hook should feed `metrics`).
+    `max_queue`: sequences admitted beyond max_num_seqs before a 429; `request_timeout`: seconds."""
+    metrics = metrics or ServerMetrics(model_name)
+    if engine.on_iteration is None:
+        engine.on_iteration = metrics.observe
+    state = ServerState(engine, model_name, api_key, max_queue, request_timeout, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(application: FastAPI) -> AsyncIterator[None]:
+        application.state.loop = asyncio.get_running_loop()  # for callers on other threads (tests)
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="jaxinfra OpenAI-compatible server", lifespan=lifespan)
+    app.state.server = state
+    add_error_handlers(app)
+    for middleware in MIDDLEWARE:
+        app.middleware("http")(middleware(state))
+    for serving in SERVING_CLASSES:
+        app.include_router(serving(state).router())
+    return app

@@ -1,0 +1,204 @@
+"""The base of every endpoint's serving class, and of the generating ones (completions, chat):
+the model check, chat rendering, admission, the timeout, the SSE stream and the response envelope."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve.core_client import EngineDeadError
+from serve.http.errors import bad_request, dead
+from serve.http.generation import Generation
+from serve.http.state import ServerState
+from serve.openai_protocol import ChatMessage, OpenAIError, _Common
+from serve.outputs import CompletionOutput, Logprobs, RequestOutput
+
+
+def sse(body: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class OpenAIServing(abc.ABC):
+    """One endpoint family over the shared server state; app.py includes each class's router."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+
+    @abc.abstractmethod
+    def router(self) -> APIRouter:
+        """The routes this class serves."""
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 unless `model` is absent or the served model's name."""
+        if model is not None and model != self.state.model_name:
+            raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+
+    def render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+    ) -> str:
+        """The conversation as the model's chat template writes it (a 400 if it cannot)."""
+        tok = self.engine.tokenizer
+        if tok is None or tok.chat_template is None:
+            raise OpenAIError(400, "this model has no chat template", param="messages")
+        reserved = {"messages", "add_generation_prompt", *tok.special_tokens}
+        clash = sorted(reserved & set(template_kwargs or {}))
+        if clash:
+            raise OpenAIError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
+        try:
+            return tok.apply_chat_template(
+                [m.as_template_dict() for m in messages], add_generation_prompt, **(template_kwargs or {})
+            )
+        except Exception as e:  # a template's raise_exception(), or a malformed conversation
+            raise OpenAIError(400, f"chat template error: {e}", param="messages") from e
+
+
+class GenerationServing(OpenAIServing):
+    """An endpoint that generates: subclasses render their chunks and final body; this class admits
+    the call, runs it under the timeout (stopping on a client disconnect) or streams it as SSE."""
+
+    @abc.abstractmethod
+    def chunks(self, gen: Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
+        """The stream chunks for one output of prompt `i`."""
+
+    @abc.abstractmethod
+    def final(self, gen: Generation, usage_only: bool) -> dict[str, Any]:
+        """The whole response body (or, `usage_only`, the stream's closing usage chunk)."""
+
+    def check_request(self, req: _Common) -> None:
+        self.check_model(req.model)
+        req.check_supported()
+        if req.priority != 0 and self.engine.args.scheduling_policy != "priority":
+            raise OpenAIError(
+                400, "priority needs the server started with --scheduling-policy priority", param="priority"
+            )
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        try:
+            return self.engine.input_processor.tokenize(prompt, add_special_tokens)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="prompt") from e
+
+    def envelope(self, gen: Generation, object_: str) -> dict[str, Any]:
+        """The fields every response body and stream chunk starts with."""
+        return {"id": gen.id, "object": object_, "created": int(time.time()), "model": self.state.model_name}
+
+    async def respond(self, request: Request, gen: Generation) -> Response:
+        """Admit `gen` (a 429 past capacity), start it, and answer with its body or its SSE stream."""
+        state = self.state
+        if state.in_flight + gen.num_seqs > state.capacity:
+            raise OpenAIError(
+                429, "The server is overloaded: too many sequences in flight. Retry later.", type_="rate_limit_error"
+            )
+        state.in_flight += gen.num_seqs
+        try:
+            merged = await gen.start()
+        except BaseException:
+            state.in_flight -= gen.num_seqs
+            raise
+        if gen.req.stream:
+            return StreamingResponse(self._stream(gen, merged), media_type="text/event-stream")
+
+        async def collect() -> None:
+            async for i, out in merged:
+                gen.record(i, out)
+
+        async def watch_disconnect() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.2)
+
+        worker, watcher = asyncio.create_task(collect()), asyncio.create_task(watch_disconnect())
+        try:
+            done, _ = await asyncio.wait(
+                {worker, watcher}, timeout=state.request_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if worker not in done:
+                worker.cancel()
+                if watcher in done:
+                    return Response(status_code=499)
+                raise OpenAIError(408, "request timed out", type_="timeout")
+            try:
+                worker.result()
+            except EngineDeadError as e:
+                raise dead(e) from e
+            except (ValueError, TypeError) as e:
+                raise bad_request(e) from e
+            return JSONResponse(self.final(gen, False))
+        finally:
+            watcher.cancel()
+            await merged.aclose()
+            state.in_flight -= gen.num_seqs
+
+    async def _stream(
+        self, gen: Generation, merged: AsyncGenerator[tuple[int, RequestOutput], None]
+    ) -> AsyncIterator[str]:
+        try:
+            async with asyncio.timeout(self.state.request_timeout):
+                async for i, out in merged:
+                    gen.record(i, out)
+                    for chunk in self.chunks(gen, i, out):
+                        yield sse(chunk)
+            if gen.req.stream_options and gen.req.stream_options.include_usage:
+                yield sse(self.final(gen, True))
+        except TimeoutError:
+            yield sse(OpenAIError(408, "request timed out", type_="timeout").body())
+        except EngineDeadError as e:
+            yield sse(dead(e).body())
+        except (ValueError, TypeError) as e:
+            yield sse(bad_request(e).body())
+        finally:
+            await merged.aclose()
+            self.state.in_flight -= gen.num_seqs
+        yield "data: [DONE]\n\n"
+
+    # --- formatting shared by completions and chat ----------------------------------------------
+    @staticmethod
+    def ranked(entry: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda kv: -kv[1])
+
+    def prompt_logprobs_json(self, plp: Logprobs | list[dict[int, float] | None] | None) -> list[Any] | None:
+        """vLLM's layout: None for the first token, then {token id: {logprob, rank, decoded_token}}
+        (the actual token and the top alternatives; rank is known within the top alternatives)."""
+        if plp is None:
+            return None
+        out: list[Any] = []
+        for entry in plp:
+            if entry is None:
+                out.append(None)
+                continue
+            top = self.ranked(entry)[: len(entry) - 1] if len(entry) > 1 else self.ranked(entry)
+            ranks = {t: r + 1 for r, (t, _) in enumerate(top)}
+            out.append(
+                {
+                    str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": self.state.token_text(t)}
+                    for t, lp in entry.items()
+                }
+            )
+        return out
+
+    def extras(self, gen: Generation, out: RequestOutput, o: CompletionOutput, first: bool) -> dict[str, Any]:
+        """vLLM's per-choice extensions: token ids (return_token_ids) and prompt logprobs."""
+        body: dict[str, Any] = {}
+        if gen.req.return_token_ids:
+            body["token_ids"] = list(o.token_ids)
+            if first:
+                body["prompt_token_ids"] = out.prompt_token_ids
+        if gen.req.prompt_logprobs is not None and first:
+            body["prompt_logprobs"] = self.prompt_logprobs_json(out.prompt_logprobs)
+        return body
+
+    @staticmethod
+    def chunk_usage(gen: Generation, chunk: dict[str, Any]) -> dict[str, Any]:
+        """With stream_options.continuous_usage_stats, every chunk carries the usage so far."""
+        opts = gen.req.stream_options
+        if opts is not None and opts.continuous_usage_stats:
+            chunk["usage"] = gen.usage()
+        return chunk

@@ -1,0 +1,68 @@
+"""GET /health, /metrics, /v1/models and /version: what is served and whether it is up."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from serve.http.serving_base import OpenAIServing
+
+
+class ServingModels(OpenAIServing):
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/health", self.health, methods=["GET"])
+        router.add_api_route("/metrics", self.metrics, methods=["GET"])
+        router.add_api_route("/v1/models", self.models, methods=["GET"])
+        router.add_api_route("/version", self.version, methods=["GET"])
+        return router
+
+    async def health(self) -> Response:
+        if not self.engine.healthy:
+            return JSONResponse(
+                {"status": "error", "error": self.engine.error or "the engine core is not running"}, status_code=503
+            )
+        return Response(status_code=200)
+
+    async def metrics(self) -> Response:
+        return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def version(self) -> dict[str, str]:
+        return {"version": importlib.metadata.version("jaxinfra")}
+
+    async def models(self) -> dict[str, Any]:
+        state = self.state
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "jaxinfra",
+                    "root": self.engine.args.model,
+                    "parent": None,
+                    "max_model_len": self.engine.max_model_len,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, state.model_name).hex}",
+                            "object": "model_permission",
+                            "created": state.created,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+            ],
+        }

@@ -1,0 +1,34 @@
+"""What every endpoint of one server shares: the engine, metrics, the served name and the admission count."""
+
+from __future__ import annotations
+
+import time
+
+from serve.async_engine import AsyncEngine
+from serve.metrics import ServerMetrics
+
+
+class ServerState:
+    """Held as `app.state.server`; `in_flight` counts sequences (prompts x n) admitted and not yet done."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        api_key: str | None,
+        max_queue: int,
+        request_timeout: float | None,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = model_name
+        self.api_key = api_key
+        self.capacity = engine.args.max_num_seqs + max_queue  # sequences (prompts x n) in flight
+        self.request_timeout = request_timeout
+        self.in_flight = 0
+        self.created = int(time.time())
+
+    def token_text(self, token: int) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode([token], skip_special_tokens=False) if tok else str(token)

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -13,7 +14,7 @@ from jaxinfra.cli import main as cli_main
 from jaxinfra.config import ModelConfig
 from jaxinfra.loading import load_config
 from jaxinfra.models import LlamaModel
-from jaxinfra.plan_serve import GPUS, Device, Workload, plan, weight_bytes
+from jaxinfra.plan_serve import GPUS, Device, Workload, plan, step_workspace_bytes, weight_bytes
 from pallas_kernels import PagedKVCache
 from serve.config import EngineArgs
 from serve.engine_core import EngineCore
@@ -138,3 +139,15 @@ def test_quantized_checkpoint_plans_its_stored_bytes(tmp_path: Path, capsys: pyt
     assert {(v["kv_cache_dtype"], v["quantization"]) for v in body["variants"]} == {("int8", None), ("fp8", None)}
     assert cli_main([*argv, "--quantization", "int4"]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_workspace_estimate_near_xla_memory_analysis() -> None:
+    """The step estimate against what XLA allocates for a forward of `tokens` tokens (temporaries and
+    the float32 logits, here at every token), where attention scores are a small part of it."""
+    tokens = 256
+    cfg = TINY.replace(vocab_size=4096, hidden_size=256, intermediate_size=1024, head_dim=64, dtype="bfloat16")
+    graph, state = nnx.split(LlamaModel(cfg, nnx.Rngs(0)))
+    ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    stats = jax.jit(lambda s, x: nnx.merge(graph, s)(x)).lower(state, ids).compile().memory_analysis()
+    compiled = stats.temp_size_in_bytes + stats.output_size_in_bytes
+    assert 0.75 < step_workspace_bytes(cfg, tokens, seqs=tokens) / compiled < 1.25

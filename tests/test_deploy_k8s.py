@@ -165,6 +165,21 @@ def test_pieces_agree() -> None:
     assert args["config"].rsplit("/", 1)[1] in m["ConfigMap"]["data"]
 
 
+def test_server_takes_the_deployments_arguments(tmp_path: Path) -> None:
+    """`jaxinfra serve`'s own parser and engine-argument loader read the container's command line."""
+    from serve.http.cli_args import build_parser, engine_args_from
+
+    m = manifests()
+    container = m["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["jaxinfra", "serve"]
+    (tmp_path / "engine.yaml").write_text(m["ConfigMap"]["data"]["engine.yaml"])
+    argv = [a if not a.startswith("--config=") else f"--config={tmp_path / 'engine.yaml'}" for a in container["args"]]
+    args = build_parser().parse_args(argv)
+    assert (args.host, args.port, args.drain_timeout) == ("0.0.0.0", 8000, 90.0)
+    engine = engine_args_from(args)
+    assert engine.model == "/models/llama-3.1-8b" and engine.max_model_len == 16384
+
+
 def test_engine_config_is_valid_and_fits_an_h200() -> None:
     data = yaml.safe_load(manifests()["ConfigMap"]["data"]["engine.yaml"])
     args = EngineArgs(**data)

@@ -107,16 +107,23 @@ class PagedKVCache:
 
     @classmethod
     def zeros(
-        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype,
+        num_layers: int | None = None,
     ) -> PagedKVCache:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        """Zeroed pools; with `num_layers`, every layer's pools stacked on a leading `layers` axis."""
+        shape = (*(() if num_layers is None else (num_layers,)), num_blocks, block_size, num_kv_heads, head_dim)
         if is_quantized_kv(dtype):
             # two buffers: the engine donates the pools, and one buffer may not be donated twice
             return cls(
                 jnp.zeros(shape, dtype),
                 jnp.zeros(shape, dtype),
-                jnp.ones(shape[:3], jnp.float32),
-                jnp.ones(shape[:3], jnp.float32),
+                jnp.ones(shape[:-1], jnp.float32),
+                jnp.ones(shape[:-1], jnp.float32),
             )
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 

@@ -92,7 +92,7 @@ def test_engine_serves_head_dims_that_are_not_powers_of_two(head_dim):
             compilation_cache_dir="",
         )
         eng = LLMEngine(model, None, args)
-        assert eng.core.runner.caches[0].k.shape[-1] == paged_head_dim(head_dim, impl)
+        assert eng.core.runner.kv_cache.k.shape[-1] == paged_head_dim(head_dim, impl)
         for i, prompt in enumerate(([3, 9, 27, 81, 5], [7, 1])):
             eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         done = {}

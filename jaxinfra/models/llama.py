@@ -18,7 +18,7 @@ from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
 from jaxinfra.models.rope import apply_rope, inverse_frequencies
 from jaxinfra.models.sharded_attention import cached_attention, dense_attention
 from jaxinfra.quant.qlinear import Weight, linear
-from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
+from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, PagedMetadata, attend
 from sharding import constrain
 
 _FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_projections", default=False)
@@ -210,15 +210,39 @@ class LayerStack:
 
     @classmethod
     def of(cls, layers: nnx.List) -> LayerStack:
-        graphdef, state = nnx.split(layers[0])
-        if any(nnx.graphdef(layer) != graphdef for layer in layers):
-            raise ValueError("scanned layers must be identical (a partly quantized model cannot be scanned)")
         stacked = _stack_trees([nnx.to_pure_dict(nnx.state(layer)) for layer in layers])
-        return cls(graphdef, list(nnx.to_flat_state(state)), stacked)
+        return cls(*layer_graph(layers), stacked)
 
     def layer(self, params: dict) -> DecoderLayer:
         """The layer whose parameters are `params` (one slice of the stack)."""
         return merge_params(self.graphdef, self.template, params)
+
+
+def layer_graph(layers: nnx.List) -> tuple[nnx.GraphDef, list]:
+    """The one graph and flat state template (path, variable) pairs that every layer shares; a
+    ValueError if the layers differ (then they cannot be scanned)."""
+    graphdef, state = nnx.split(layers[0])
+    if any(nnx.graphdef(layer) != graphdef for layer in layers):
+        raise ValueError("scanned layers must be identical (a partly quantized model cannot be scanned)")
+    return graphdef, list(nnx.to_flat_state(state))
+
+
+def paged_layer_view(
+    metadata: PagedMetadata, layer: Int[Array, ""] | int, blocks_per_layer: int, block_size: int
+) -> PagedMetadata:
+    """Metadata for one layer of a paged pool stacked on a `layers` axis and flattened to
+    [layers x blocks, ...]: the layer's block ids (tables, tile-plan pages, slots) offset to its blocks."""
+    offset = layer * blocks_per_layer
+    slots = metadata.slot_mapping
+    plan = metadata.plan
+    if plan is not None:
+        plan = dataclasses.replace(plan, pages=plan.pages + offset)
+    return dataclasses.replace(
+        metadata,
+        slot_mapping=jnp.where(slots < 0, slots, slots + offset * block_size),
+        block_tables=metadata.block_tables + offset,
+        plan=plan,
+    )
 
 
 def row_positions(input_ids: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -300,12 +324,18 @@ class LlamaModel(nnx.Module):
         input_ids: Int[Array, "B T"],
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
-        caches: list[KVCache] | list[PagedKVCache] | None = None,
+        caches: list[KVCache] | list[PagedKVCache] | PagedKVCache | None = None,
         layer_stack: LayerStack | None = None,
-    ) -> tuple[Float[Array, "B T E"], list | None]:
-        """Final-norm hidden states (before the LM head) and the updated per-layer caches.
+    ) -> tuple[Float[Array, "B T E"], list | PagedKVCache | None]:
+        """Final-norm hidden states (before the LM head) and the updated per-layer caches (or the
+        one paged pool of every layer, see run_paged_layers).
         `layer_stack`: run the layers from these stacked parameters instead of self.layers (scanned)."""
         x = self.embed_tokens(input_ids)
+        if isinstance(caches, PagedKVCache):
+            if not isinstance(metadata, PagedMetadata):
+                raise ValueError("a stacked paged KV pool needs PagedMetadata")
+            x, pool = self.run_paged_layers(x, positions, metadata, caches, layer_stack)
+            return self.norm(x), pool
         if layer_stack is not None or (self.scan_layers and caches is None):
             return self.norm(self.run_layers(x, positions, metadata, layer_stack)), None
         new_caches: list | None = [] if caches is not None else None
@@ -342,6 +372,38 @@ class LlamaModel(nnx.Module):
         x, _ = jax.lax.scan(body, x, stack.params)
         return x
 
+    def run_paged_layers(
+        self,
+        x: Float[Array, "B T E"],
+        positions: Int[Array, "B T"],
+        metadata: PagedMetadata,
+        pool: PagedKVCache,
+        stack: LayerStack | None = None,
+    ) -> tuple[Float[Array, "B T E"], PagedKVCache]:
+        """Serving's decoder stack over one paged pool for all layers ([L, blocks, block size, KV heads,
+        D]): each layer reads and writes its own blocks of the pool flattened to [L x blocks, ...].
+        With `stack`, one lax.scan (one layer body compiled, whatever the depth); else a loop over
+        self.layers (layers that differ, e.g. partly quantized)."""
+        num_layers, blocks, block_size = pool.k.shape[:3]
+        flat = jax.tree.map(lambda a: a.reshape(num_layers * blocks, *a.shape[2:]), pool)
+
+        def run(layer: DecoderLayer, h: jax.Array, i: Any, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
+            out, cache = layer(h, positions, paged_layer_view(metadata, i, blocks, block_size), cache)
+            assert isinstance(cache, PagedKVCache)
+            return out, cache
+
+        if stack is None:
+            for i, layer in enumerate(self.layers):
+                x, flat = run(layer, x, i, flat)
+        else:
+
+            def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+                (h, cache), (params, i) = carry, xs
+                return run(stack.layer(params), h, i, cache), None
+
+            (x, flat), _ = jax.lax.scan(body, (x, flat), (stack.params, jnp.arange(num_layers, dtype=jnp.int32)))
+        return x, jax.tree.map(lambda a: a.reshape(num_layers, blocks, *a.shape[1:]), flat)
+
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (tied to the embedding when configured), float32 output."""
         rows = h.reshape(-1, h.shape[-1])
@@ -356,9 +418,9 @@ class LlamaModel(nnx.Module):
         input_ids: Int[Array, "B T"],
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
-        caches: list[KVCache] | list[PagedKVCache] | None = None,
+        caches: list[KVCache] | list[PagedKVCache] | PagedKVCache | None = None,
         layer_stack: LayerStack | None = None,
-    ) -> tuple[Float[Array, "B T V"], list | None]:
+    ) -> tuple[Float[Array, "B T V"], list | PagedKVCache | None]:
         h, caches = self.hidden_states(input_ids, positions, metadata, caches, layer_stack)
         return self.logits(h), caches
 

@@ -57,8 +57,8 @@ def serve_and_compare(model: LlamaModel, attn_impl: str | None = None) -> jax.Ar
                 if o.finished:
                     done[o.request_id] = o.outputs[0].token_ids
         if tp > 1:
-            k = eng.core.runner.caches[0].k
-            assert len(k.sharding.device_set) == 8 and k.addressable_shards[0].data.shape[2] == 1, k.sharding
+            k = eng.core.runner.kv_cache.k
+            assert len(k.sharding.device_set) == 8 and k.addressable_shards[0].data.shape[3] == 1, k.sharding
             flat = dict(nnx.to_flat_state(eng.core.runner.state))
             weight = next(v[...] for p, v in flat.items() if p[-1] == "up_proj" or p[-2:] == ("up_proj", "qweight"))
         outs[tp] = [done[f"r{i}"] for i in range(len(prompts))]

@@ -2,13 +2,18 @@
 server's event loop; scheduling and the model run in an engine-core process (vLLM V1's split).
 
 `add_request` checks and queues a request and returns its stream of RequestOutputs; a stream that
-is closed before it finishes aborts its request. If the core process dies, every open stream gets
-an EngineDeadError, new requests are refused, and (with restart_on_failure) a new core is started.
+is closed before it finishes aborts its request. A supervisor task (`start`) watches the core from
+the moment the server runs, requests or not: if the process exits or its heartbeats stop for
+`heartbeat_timeout` s, every open stream gets an EngineDeadError, new requests are refused (503),
+the scheduler gauges drop to zero, and with restart_on_failure a new core is started, with back-off;
+after `restart_attempts` failed starts in a row the engine is fatal (on_fatal: the server exits
+non-zero so that its own supervisor takes over).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -19,7 +24,7 @@ import msgspec
 from jaxinfra.loading import load_tokenizer
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
-from serve.core_client import CoreProcess, EngineDeadError
+from serve.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S, CoreProcess, EngineDeadError
 from serve.core_types import AbortRequests, EngineCoreOutputs, SchedulerStats
 from serve.input_processor import InputProcessor, Prompt
 from serve.output_processor import OutputProcessor, RequestIteration
@@ -28,6 +33,20 @@ from serve.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxinfra.serve")
 IterationHook = Callable[[list[RequestIteration], SchedulerStats | None], None]
+DEFAULT_RESTART_ATTEMPTS = 5
+RESTART_BACKOFF_S = 1.0  # before the second attempt; doubled after each failure, up to the max
+MAX_RESTART_BACKOFF_S = 16.0
+NO_CORE_STATS = SchedulerStats(
+    num_running=0,
+    num_waiting=0,
+    kv_cache_usage=0.0,
+    prefix_cache_queries=0,
+    prefix_cache_hits=0,
+    num_preemptions=0,
+    num_free_blocks=0,
+    num_blocks=0,
+    num_compilations=0,
+)  # what the gauges show while no core runs
 
 
 class AsyncEngine:
@@ -38,14 +57,27 @@ class AsyncEngine:
         tokenizer: Tokenizer | None = None,
         warmup: bool = True,
         restart_on_failure: bool = False,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        restart_attempts: int = DEFAULT_RESTART_ATTEMPTS,
         on_iteration: IterationHook | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
+        """`heartbeat_timeout`: seconds of heartbeat silence after which the core counts as stuck;
+        `restart_attempts`: failed starts in a row before giving up; `on_fatal(reason)`: called then."""
+        if heartbeat_timeout <= 0:
+            raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout!r}")
+        if restart_attempts < 1:
+            raise ValueError(f"restart_attempts must be at least 1, got {restart_attempts!r}")
         self.args = args
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(args.tokenizer or args.model)
         self.warmup = warmup
         self.restart_on_failure = restart_on_failure
+        self.heartbeat_timeout = heartbeat_timeout
+        self.restart_attempts = restart_attempts
         self.on_iteration = on_iteration
-        self.core = CoreProcess(args, self.tokenizer.eos_token_ids if self.tokenizer else (), warmup)
+        self.on_fatal = on_fatal
+        self._shut_down = False
+        self.core = self._new_core()
         self.max_model_len = self.core.info.max_model_len
         self.vocab_size = self.core.info.vocab_size
         self.num_blocks = self.core.info.num_blocks
@@ -56,9 +88,10 @@ class AsyncEngine:
         self.streams: dict[str, asyncio.Queue] = {}
         self.stats: SchedulerStats | None = None
         self.error: str | None = None  # why no request is accepted now (the core died, or is restarting)
+        self.fatal: str | None = None  # set when restarting has failed for good
         self.restarts = 0
         self._calls: dict[int, asyncio.Future] = {}
-        self._task: asyncio.Task | None = None
+        self._supervisor: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._ids = itertools.count()
 
@@ -69,12 +102,28 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.error is None and self.core.alive
 
-    def _ensure_output_loop(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._output_loop())
+    def _new_core(self) -> CoreProcess:
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        core = CoreProcess(self.args, eos, self.warmup, self.heartbeat_timeout)
+        if self._shut_down:  # shut down while this one started (on a restart's thread)
+            core.close()
+            raise EngineDeadError("the engine was shut down")
+        return core
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def start(self) -> None:
+        """Start supervising the core (reading its outputs, watching it); call it in the server's
+        event loop as the server starts. Idempotent: requests call it too."""
+        if self._supervisor is None:
+            self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    def _send_later(self, msg: AbortRequests) -> None:
+        """Send from a background task (aborts: nobody waits for them, a dead core needs none)."""
+
+        async def send() -> None:
+            with contextlib.suppress(EngineDeadError):
+                await self.core.send(msg)
+
+        task = asyncio.get_running_loop().create_task(send())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -98,7 +147,7 @@ class AsyncEngine:
         req = self.input_processor.process(
             request_id, prompt, params, cache_salt=cache_salt, prompt_token_ids=prompt_token_ids, priority=priority
         )
-        self._ensure_output_loop()
+        self.start()
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
         self.output_processor.add_request(
@@ -137,13 +186,13 @@ class AsyncEngine:
         if self.on_iteration:
             self.on_iteration([aborted[1]], None)
         if self.healthy:
-            self._spawn(self.core.send(AbortRequests([request_id])))
+            self._send_later(AbortRequests([request_id]))
 
     async def call(self, method: str, *args: Any) -> Any:
         """A utility call on the core ("stats", "check_invariants", "reset_prefix_cache")."""
         if not self.healthy:
             raise EngineDeadError(self.error or "the engine core process is not running")
-        self._ensure_output_loop()
+        self.start()
         msg = self.core.new_call(method, list(args))
         future = asyncio.get_running_loop().create_future()
         self._calls[msg.call_id] = future
@@ -151,16 +200,58 @@ class AsyncEngine:
         result = await future
         return msgspec.convert(result, SchedulerStats) if method == "stats" else result
 
+    # --- supervision ------------------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        """Read the core's outputs and watch it; when it is lost, fail what it held and, with
+        restart_on_failure, start another (until restarting fails for good)."""
+        while True:
+            outputs = asyncio.create_task(self._output_loop())
+            watch = asyncio.create_task(self.core.watch())
+            await asyncio.wait({outputs, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch.done():
+                why = watch.result()
+            else:  # a bug in handling outputs: the core's state is unknown, so it goes too
+                why = f"reading the engine core's outputs failed: {outputs.exception()!r}"
+                watch.cancel()
+                self.core.kill()
+            outputs.cancel()
+            log.error("engine core lost: %s", why)
+            self._fail_all(why)
+            self.core.close()  # what still waits to be sent to it fails too
+            if not self.restart_on_failure or not await self._restart():
+                return
+
+    async def _restart(self) -> bool:
+        """Start a new core process, retrying with back-off; False (and fatal) once
+        restart_attempts starts in a row have failed. Requests are refused until it is ready."""
+        last: Exception | None = None
+        for attempt in range(1, self.restart_attempts + 1):
+            self.error = f"the engine core is restarting (attempt {attempt} of {self.restart_attempts})"
+            try:
+                self.core = await asyncio.to_thread(self._new_core)
+            except Exception as e:
+                log.error("engine core restart attempt %d of %d failed: %s", attempt, self.restart_attempts, e)
+                last = e
+                if attempt < self.restart_attempts:
+                    await asyncio.sleep(min(RESTART_BACKOFF_S * 2 ** (attempt - 1), MAX_RESTART_BACKOFF_S))
+                continue
+            self.restarts += 1
+            self.error = None
+            log.warning("engine core restarted (%d so far)", self.restarts)
+            return True
+        self._give_up(f"the engine core could not be restarted: {self.restart_attempts} attempts failed; last: {last}")
+        return False
+
+    def _give_up(self, reason: str) -> None:
+        self.error = self.fatal = reason
+        log.critical("FATAL: %s; giving up so that a supervisor can take over", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
     # --- outputs ----------------------------------------------------------------------------------
     async def _output_loop(self) -> None:
-        try:
-            while True:
-                self._handle(await self.core.recv())
-        except EngineDeadError as e:
-            log.error("engine core died: %s", e)
-            self._fail_all(str(e))
-            if self.restart_on_failure:
-                await self._restart()
+        while True:
+            self._handle(await self.core.recv())
 
     def _handle(self, msg: EngineCoreOutputs) -> None:
         if msg.utility is not None:
@@ -184,15 +275,17 @@ class AsyncEngine:
                 if out.finished:
                     del self.streams[out.request_id]
         if processed.to_abort:
-            self._spawn(self.core.send(AbortRequests([], processed.to_abort)))
+            self._send_later(AbortRequests([], processed.to_abort))
         if msg.stats is not None:
             self.stats = msg.stats
         if self.on_iteration:
             self.on_iteration(processed.iterations, msg.stats)
 
     def _fail_all(self, reason: str) -> None:
-        """The core is gone: every open stream ends with an error, every request is dropped."""
+        """The core is gone: every open stream ends with an error, every request is dropped, and
+        the scheduler gauges drop to zero."""
         self.error = reason
+        self.stats = None
         iterations = []
         for rid, queue in list(self.streams.items()):
             queue.put_nowait(EngineDeadError(reason))
@@ -204,26 +297,11 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
         self._calls.clear()
-        if self.on_iteration and iterations:
-            self.on_iteration(iterations, None)
-
-    async def _restart(self) -> None:
-        """Start a new core process (the supervisor option); requests are refused until it is ready."""
-        self.error = "the engine core is restarting"
-        self.core.close()
-        try:
-            self.core = await asyncio.to_thread(
-                CoreProcess, self.args, self.tokenizer.eos_token_ids if self.tokenizer else (), self.warmup
-            )
-        except Exception as e:
-            self.error = f"the engine core could not be restarted: {e}"
-            return
-        self.restarts += 1
-        self.error = None
-        log.warning("engine core restarted (%d so far)", self.restarts)
-        self._task = asyncio.get_running_loop().create_task(self._output_loop())
+        if self.on_iteration:
+            self.on_iteration(iterations, NO_CORE_STATS)
 
     def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        self._shut_down = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         self.core.close()

@@ -1,7 +1,10 @@
-"""The frontend's handle on an engine-core process: spawn it, talk to it over ZeroMQ, notice death."""
+"""The frontend's handle on an engine-core process: spawn it, talk to it over ZeroMQ, and watch it:
+the process's exit and its heartbeat pipe (beaten by a thread of its own, so a long step is not
+silence, but a stopped or wedged process is)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import select
@@ -30,7 +33,8 @@ from serve.core_types import (
 )
 
 STARTUP_TIMEOUT_S = 1800.0  # loading and compiling a big model can take long; death is noticed at once
-LIVENESS_POLL_MS = 200
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+WATCH_INTERVAL_S = 0.1  # how often the process and its heartbeats are checked
 
 
 class EngineDeadError(RuntimeError):
@@ -38,27 +42,39 @@ class EngineDeadError(RuntimeError):
 
 
 class CoreProcess:
-    """One engine-core process (a fresh interpreter, so no caller's __main__ is re-run) and
-    the two sockets to it. Construction blocks until the core is loaded and warmed up, or raises
-    with the reason it could not start."""
+    """One engine-core process (a fresh interpreter, so no caller's __main__ is re-run), its two
+    sockets and its heartbeat pipe. Construction blocks until the core is loaded and warmed up, or
+    raises with the reason it could not start."""
 
-    def __init__(self, args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool = True) -> None:
-        self.dir = tempfile.mkdtemp(prefix="jaxinfra-core-")
+    def __init__(
+        self,
+        args: EngineArgs,
+        eos_token_ids: tuple[int, ...],
+        warmup: bool = True,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    ) -> None:
+        """`heartbeat_timeout`: seconds of silence, once the core has beaten, after which it is stuck."""
+        self.heartbeat_timeout = heartbeat_timeout
+        self.dir: str | None = tempfile.mkdtemp(prefix="jaxinfra-core-")
         self.input_addr, self.output_addr = f"ipc://{self.dir}/input", f"ipc://{self.dir}/output"
         self._sockets: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreOutput)
         self._calls = itertools.count()
         ready_r, ready_w = os.pipe()
-        launch = CoreLaunch(args, list(eos_token_ids), warmup, self.input_addr, self.output_addr, ready_w)
+        self._heartbeat, beat_w = os.pipe()
+        os.set_blocking(self._heartbeat, False)
+        self.last_beat: float | None = None  # monotonic time of the last heartbeat heard
+        launch = CoreLaunch(args, list(eos_token_ids), warmup, self.input_addr, self.output_addr, ready_w, beat_w)
         env = {**ALLOCATOR_ENV, **os.environ}  # the caller's settings win
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from serve.core_proc import main; main()"],
             stdin=subprocess.PIPE,
             env=env,
-            pass_fds=(ready_w,),
+            pass_fds=(ready_w, beat_w),
         )
         os.close(ready_w)
+        os.close(beat_w)
         assert self.proc.stdin is not None
         self.proc.stdin.write(self._encoder.encode(launch))
         self.proc.stdin.close()
@@ -67,10 +83,13 @@ class CoreProcess:
 
     def _wait_ready(self, ready) -> EngineCoreReady:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not select.select([ready], [], [], 0.2)[0]:
-            if not self.alive or time.monotonic() > deadline:
+        while not select.select([ready], [], [], WATCH_INTERVAL_S)[0]:
+            trouble = self.trouble()
+            if trouble is None and time.monotonic() > deadline:
+                trouble = f"the engine core did not start within {STARTUP_TIMEOUT_S:g} s"
+            if trouble is not None:
                 self.close()
-                raise RuntimeError(f"the engine core did not start (exit code {self.proc.returncode})")
+                raise RuntimeError(f"{trouble} while starting")
         data = ready.read()
         if not data:
             self.close()
@@ -85,6 +104,32 @@ class CoreProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def trouble(self) -> str | None:
+        """Why this core is lost (exited, or silent for heartbeat_timeout s after its first beat:
+        then it is killed), or None while it is fine. Reads the heartbeats that have arrived."""
+        if not self.alive:
+            return f"the engine core process exited (code {self.proc.returncode})"
+        now = time.monotonic()
+        try:
+            if os.read(self._heartbeat, 1 << 16):
+                self.last_beat = now
+        except BlockingIOError:
+            pass
+        if self.last_beat is not None and now - self.last_beat > self.heartbeat_timeout:
+            self.kill()
+            return (
+                f"the engine core stopped answering: no heartbeat for {now - self.last_beat:.1f} s "
+                f"(--engine-heartbeat-timeout {self.heartbeat_timeout:g}); it was killed"
+            )
+        return None
+
+    async def watch(self) -> str:
+        """Return, with the reason, once the core is lost (see trouble); checked every WATCH_INTERVAL_S."""
+        self.last_beat = time.monotonic()  # its first full timeout starts now
+        while (trouble := self.trouble()) is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        return trouble
+
     def _socks(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         """Created on first use, in the event loop that uses them."""
         if self._sockets is None:
@@ -96,17 +141,19 @@ class CoreProcess:
         return self._sockets
 
     async def send(self, msg: EngineCoreRequest | AbortRequests | UtilityCall) -> None:
-        if not self.alive:
+        """Queue a message for the core; EngineDeadError if it is gone, or goes while this waits."""
+        if not self.alive or self.closed:
             raise EngineDeadError("the engine core process is not running")
-        await self._socks()[0].send(self._encoder.encode(msg))
+        try:
+            await self._socks()[0].send(self._encoder.encode(msg))
+        except asyncio.CancelledError:
+            if self.closed:  # close() cancels what waits on its sockets
+                raise EngineDeadError("the engine core went away") from None
+            raise
 
     async def recv(self) -> EngineCoreOutputs:
-        """The next message from the core; EngineDeadError once the process has ended."""
-        pull = self._socks()[1]
-        while not await pull.poll(LIVENESS_POLL_MS):
-            if not self.alive:
-                raise EngineDeadError(f"the engine core process exited (code {self.proc.returncode})")
-        msg = self._decoder.decode(await pull.recv())
+        """The next message from the core (the watcher, not this, notices when it is gone)."""
+        msg = self._decoder.decode(await self._socks()[1].recv())
         if not isinstance(msg, EngineCoreOutputs):
             raise RuntimeError(f"unexpected message from the engine core: {type(msg).__name__}")
         return msg
@@ -114,17 +161,30 @@ class CoreProcess:
     def new_call(self, method: str, args: list[Any]) -> UtilityCall:
         return UtilityCall(next(self._calls), method, args)
 
+    def kill(self) -> None:
+        """SIGKILL: the way to end a core that is stopped or wedged (SIGTERM waits for it to run)."""
+        if self.alive:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def closed(self) -> bool:
+        return self.dir is None
+
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the core process (it holds no state worth saving) and remove its sockets."""
+        """Stop the core process (it holds no state worth saving), cancel what waits on its sockets
+        and remove them."""
         if self.alive:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+                self.kill()
         if self._sockets is not None:
             for sock in self._sockets:
                 sock.close(linger=0)
             self._sockets = None
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            os.close(self._heartbeat)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None

@@ -3,6 +3,8 @@
 Requests, aborts and utility calls arrive on a PULL socket; outputs, scheduler stats and utility
 results leave on a PUSH socket, all msgpack-encoded msgspec structs. It runs until terminated, until
 its parent dies, or until a step raises (the frontend sees the process end and fails what was in flight).
+From its first moment a thread of its own beats a heartbeat pipe, whatever the step loop is doing
+(a step may compile for minutes): a frontend that hears nothing knows the process itself is stuck.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 
 import jax
@@ -39,6 +43,25 @@ ALLOCATOR_ENV = {
     "MALLOC_TOP_PAD_": str(2**26),
 }
 PARENT_CHECK_MS = 1000
+HEARTBEAT_INTERVAL_S = 0.2
+
+
+def start_heartbeat(fd: int) -> None:
+    """Write a byte to `fd` every HEARTBEAT_INTERVAL_S from a daemon thread (a full pipe, whose
+    reader is busy, drops the byte: only silence matters)."""
+    os.set_blocking(fd, False)
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(fd, b"\0")
+            except BlockingIOError:
+                pass
+            except OSError:
+                return  # the frontend closed its end
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -131,4 +154,6 @@ def run_engine_core(launch: CoreLaunch) -> None:
 def main() -> None:
     """`python -c "from serve.core_proc import main; main()"` with a msgpack CoreLaunch on stdin."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    run_engine_core(msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreLaunch))
+    launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreLaunch)
+    start_heartbeat(launch.heartbeat_fd)
+    run_engine_core(launch)

@@ -74,6 +74,7 @@ class CoreLaunch(msgspec.Struct, array_like=True):
     input_addr: str
     output_addr: str
     ready_fd: int  # where it writes EngineCoreReady (or StartupError) once
+    heartbeat_fd: int  # where a thread of its own writes a byte every HEARTBEAT_INTERVAL_S while it runs
 
 
 class StartupError(msgspec.Struct, array_like=True, tag=True):

@@ -8,26 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from fastapi import FastAPI
 
 from serve.async_engine import AsyncEngine
+from serve.auth import OPEN_PATHS, AuthMiddleware, KeyRing
 from serve.http.errors import add_error_handlers
 from serve.http.middleware import MIDDLEWARE
 from serve.http.serving_base import OpenAIServing
 from serve.http.serving_chat import ServingChat
 from serve.http.serving_completion import ServingCompletion
 from serve.http.serving_models import ServingModels
+from serve.http.serving_status import ServingStatus
 from serve.http.serving_tokenization import ServingTokenization
 from serve.http.state import ServerState
 from serve.metrics import ServerMetrics
+from serve.tenants import Tenant
 
 SERVING_CLASSES: tuple[type[OpenAIServing], ...] = (
     ServingModels,
     ServingTokenization,
     ServingCompletion,
     ServingChat,
+    ServingStatus,
 )
 
 
@@ -36,20 +40,26 @@ def build_app(
     *,
     model_name: str,
     api_key: str | None = None,
+    api_keys: Mapping[bytes, Tenant] | None = None,
+    protect_metrics: bool = False,
     max_queue: int = 256,
     request_timeout: float | None = None,
     metrics: ServerMetrics | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running AsyncEngine (its metrics hook should feed `metrics`).
-    `max_queue`: sequences admitted beyond max_num_seqs before a 429; `request_timeout`: seconds."""
+    `api_key` and `api_keys` (digest -> tenant, from --api-keys-file) are the keys every route but
+    /health, /version, /ping and (unless `protect_metrics`) /metrics needs; `max_queue`: sequences
+    admitted beyond max_num_seqs before a 429; `request_timeout`: seconds."""
     metrics = metrics or ServerMetrics(model_name)
     if engine.on_iteration is None:
         engine.on_iteration = metrics.observe
-    state = ServerState(engine, model_name, api_key, max_queue, request_timeout, metrics)
+    keys = {**(api_keys or {}), **(KeyRing.single(api_key) if api_key else {})}
+    state = ServerState(engine, model_name, KeyRing(keys) if keys else None, max_queue, request_timeout, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(application: FastAPI) -> AsyncIterator[None]:
         application.state.loop = asyncio.get_running_loop()  # for callers on other threads (tests)
+        engine.start()  # watch the core from now on, requests or not
         yield
         engine.shutdown()
 
@@ -58,6 +68,9 @@ def build_app(
     add_error_handlers(app)
     for middleware in MIDDLEWARE:
         app.middleware("http")(middleware(state))
+    app.add_middleware(
+        AuthMiddleware, keys=state.keys, open_paths=OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
+    )
     for serving in SERVING_CLASSES:
         app.include_router(serving(state).router())
     return app

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
+from jaxinfra.yaml_config import load_config
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/, shipped in the package
 MODEL_PRESETS_DIR = CONFIGS_DIR / "models"
@@ -120,20 +120,8 @@ class ModelConfig:
 
     # --- YAML presets -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown ModelConfig field(s) {unknown}")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ValueError(f"{source}: {e}") from e
-
-    @classmethod
     def from_yaml(cls, path: str | Path) -> ModelConfig:
-        with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f) or {}, source=str(path))
+        return load_config(cls, path, kind="ModelConfig field")
 
     @classmethod
     def from_preset(cls, name: str) -> ModelConfig:

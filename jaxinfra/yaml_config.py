@@ -1,25 +1,58 @@
-"""Dataclass configs from YAML mappings, with dotted `key=value` overrides (values parsed as YAML)."""
+"""The one loader of dataclass configs (model, train, serve, quantize): a YAML mapping, then flags,
+then dotted `key=value` overrides (values parsed as YAML); every error names the field."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 import yaml
 
+T = TypeVar("T")
 
-def build_dataclass(cls: type, data: Any, where: str = "") -> Any:
+
+def load_config(
+    cls: type[T],
+    path: str | Path | None = None,
+    flags: dict[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    kind: str = "config field",
+) -> T:
+    """cls from `load_mapping`; `kind` names its fields in the unknown-field error."""
+    return build_dataclass(cls, load_mapping(path, flags, overrides), kind=kind)
+
+
+def load_mapping(
+    path: str | Path | None = None, flags: dict[str, Any] | None = None, overrides: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The YAML file's mapping (a file that must exist), updated by flags, then by key=value overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path} does not exist")
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping, got {data!r}")
+    data.update(flags or {})
+    for o in overrides:
+        apply_override(data, o)
+    return data
+
+
+def build_dataclass(cls: type[T], data: Any, where: str = "", kind: str = "config field") -> T:
     """cls(**data), nested dataclasses built recursively; unknown fields are a ValueError naming them."""
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown config field(s) {[f'{where}{k}' for k in unknown]}")
+        raise ValueError(f"unknown {kind}(s) {[f'{where}{k}' for k in unknown]}")
     kwargs = {
-        k: build_dataclass(hints[k], v, f"{where}{k}.")
+        k: build_dataclass(hints[k], v, f"{where}{k}.", kind)
         if dataclasses.is_dataclass(hints[k])
         else _coerce(hints[k], v, f"{where}{k}")
         for k, v in data.items()

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import yaml
 
 from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
+from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
 
 DTYPES = ("auto", *MODEL_DTYPES)
@@ -40,27 +40,48 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 @dataclasses.dataclass
 class EngineArgs:
+    """The engine's arguments; `jaxinfra serve` makes one flag of each field, its docstring the help."""
+
     model: str = DEFAULT_MODEL
+    """Local Hugging Face directory, training run directory or preset name (default: the embedded model)."""
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto = the checkpoint's dtype
+    """Tokenizer directory (default: the model's)."""
+    dtype: str = "auto"
+    """Weights' and activations' dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
     seed: int = 0
     block_size: int = 16
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
+    """Tokens per KV block."""
+    max_model_len: int | None = None
+    """Prompt plus output tokens per sequence (default: the model's max_position_embeddings, capped at 4096)."""
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
+    """Sequences running at once."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per step (default: 2048 with chunked prefill, else max_model_len)."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory for weights, activations and the KV pool."""
     num_gpu_blocks_override: int | None = None
-    kv_cache_memory: int | None = None  # bytes for the KV pool off GPU (default 256 MiB)
-    kv_cache_dtype: str = "auto"  # auto | int8 | fp8 (e4m3): quantized with a scale per token and head
-    quantization: str | None = None  # the checkpoint's method (checked), or int8 / int4 to round a dense model
+    """KV blocks to allocate, whatever the memory."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool off GPU (default 256 MiB)."""
+    kv_cache_dtype: str = "auto"
+    """auto | int8 | fp8 (e4m3): quantized with a scale per token and head."""
+    quantization: str | None = None
+    """The checkpoint's method (default: read from its config.json), or int8 / int4 to round a dense
+    model's linears as it loads (W8A16, W4A16 group 128)."""
     tensor_parallel_size: int = 1
-    attn_impl: str | None = None  # pallas | xla | reference (default: pallas on GPU, xla elsewhere)
-    async_scheduling: bool = True  # prepare step n+1 on the host while step n runs on the device
-    num_scheduler_steps: int = 1  # > 1: decode-only batches run that many steps in one jitted loop
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` first, then arrival; vLLM's)
-    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)  # "" = off
+    """Devices the weights and KV pools are split over (heads)."""
+    attn_impl: str | None = None
+    """pallas | xla | reference (default: pallas on GPU, xla elsewhere)."""
+    async_scheduling: bool = True
+    """Prepare step n+1 on the host while step n runs on the device."""
+    num_scheduler_steps: int = 1
+    """> 1: decode-only batches with nothing waiting run that many steps in one jitted loop."""
+    scheduling_policy: str = "fcfs"
+    """fcfs | priority (requests' `priority` orders admission and preemption, lower first; vLLM's)."""
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    """JAX's persistent compilation cache ("" = off)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -102,12 +123,5 @@ class EngineArgs:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineArgs:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of engine arguments")
-        data.update(overrides)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown engine argument(s) {unknown}")
-        return cls(**data)
+        """Engine arguments from configs/serve/*.yaml, `overrides` winning."""
+        return load_config(cls, path, overrides, kind="engine argument")

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import yaml
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
@@ -20,7 +19,7 @@ from jaxinfra.quant.qlinear import BITS
 from jaxinfra.quant.rtn import QuantScheme, rtn, to_linear
 from jaxinfra.quant.smoothquant import smooth_layer
 from jaxinfra.tokenizer import Tokenizer
-from jaxinfra.yaml_config import apply_override, build_dataclass
+from jaxinfra.yaml_config import build_dataclass, load_mapping
 
 METHODS = ("rtn", "awq", "gptq", "smoothquant")
 
@@ -79,14 +78,7 @@ def load_quantize_config(
     path: str | Path | None, flags: dict[str, Any] | None = None, overrides: Sequence[str] = ()
 ) -> QuantizeConfig:
     """A QuantizeConfig from YAML (configs/quant/*.yaml), then flags, then key=value overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not Path(path).is_file():
-            raise ValueError(f"--config: {path} does not exist")
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    data.update(flags or {})
-    for o in overrides:
-        apply_override(data, o)
+    data = load_mapping(path, flags, overrides)
     if data.get("method") == "smoothquant":  # W8A8's defaults
         data.setdefault("bits", 8)
         data.setdefault("group_size", 0)

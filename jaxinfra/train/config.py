@@ -13,7 +13,7 @@ import yaml
 from jaxinfra.checkpoint.manager import CheckpointConfig
 from jaxinfra.data import DataConfig
 from jaxinfra.train.step import OptimConfig, TrainConfig
-from jaxinfra.yaml_config import apply_override, build_dataclass
+from jaxinfra.yaml_config import build_dataclass, load_mapping
 from sharding import PRESETS, MeshConfig
 
 
@@ -73,14 +73,7 @@ class RunConfig:
 
 def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """A RunConfig from YAML (or the defaults) plus overrides; optim.total_steps defaults to steps."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not Path(path).is_file():
-            raise ValueError(f"--config: {path} does not exist")
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    for o in overrides:
-        apply_override(data, o)
-    return build_run_config(data)
+    return build_run_config(load_mapping(path, overrides=overrides))
 
 
 def build_run_config(data: dict[str, Any]) -> RunConfig:

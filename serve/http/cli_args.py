@@ -1,28 +1,99 @@
-"""`jaxinfra serve` / `python -m serve` command-line arguments and the EngineArgs they make."""
+"""`jaxinfra serve` / `python -m serve` arguments: the server's own, one flag per EngineArgs field
+with vLLM's name (generated from the dataclass, so a new field is a new flag), and key=value overrides.
+
+Engine arguments come from --config YAML, then flags, then key=value overrides (one loader for all).
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+import types
+import typing
 
-from jaxinfra.loading import QUANTIZATION_CHOICES
+import yaml
+
+from jaxinfra.yaml_config import load_config
 from serve.config import EngineArgs
+
+ALIASES = {"quantization": ("-q",)}  # short forms vLLM also takes
+
+
+def flag(field: str) -> str:
+    """vLLM's flag for an EngineArgs field: max_num_seqs -> --max-num-seqs."""
+    return "--" + field.replace("_", "-")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's attribute docstring (the string literal after its line), as vLLM's get_attr_docs."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs = {}
+    for stmt, nxt in zip(body.body, body.body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("engine arguments (EngineArgs; default: --config, then these defaults)")
+    hints, docs = typing.get_type_hints(EngineArgs), field_docs(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        shown = "" if default is None else f" (default: {default!r})"  # None's meaning is in the docstring
+        help_ = f"{docs.get(f.name, '')}{shown}".strip().replace("%", "%%")
+        hint = hints[f.name]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: the flag takes an X
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        names = (flag(f.name), *ALIASES.get(f.name, ()))
+        if hint is bool:
+            group.add_argument(*names, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
+        elif typing.get_origin(hint) is typing.Literal:
+            choices = typing.get_args(hint)
+            group.add_argument(*names, type=type(choices[0]), choices=choices, default=argparse.SUPPRESS, help=help_)
+        else:  # int, float, str; anything else is read as YAML
+            kind = hint if hint in (int, float, str) else yaml.safe_load
+            group.add_argument(*names, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxinfra serve", description="OpenAI-compatible server")
-    p.add_argument(
-        "--model",
-        default=None,
-        help="local HF directory, training run directory or preset name (default: the embedded model)",
-    )
+    p = argparse.ArgumentParser(prog="jaxinfra serve", description="OpenAI-compatible server", allow_abbrev=False)
     p.add_argument("--config", help="engine arguments from a YAML file (configs/serve/*.yaml)")
+    p.add_argument(
+        "overrides", nargs="*", help="engine arguments as key=value, after --config and flags, e.g. max_num_seqs=8"
+    )
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY') on every route but "
+        "/health, /metrics, /version, /ping",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="YAML of tenants (requests/min, tokens/min, max concurrent, priority, prefix-cache group) and "
+        "their keys (see serve/tenants.py); beside --api-key",
+    )
+    p.add_argument("--protect-metrics", action="store_true", help="/metrics needs the key too")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds for in-flight requests to finish (new ones get 503) before exiting",
+    )
     p.add_argument(
         "--max-queue",
         type=int,
@@ -30,61 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences allowed to wait beyond max-num-seqs; requests past that get 429",
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument(
-        "--quantization",
-        "-q",
-        choices=QUANTIZATION_CHOICES,
-        default=None,
-        help="the checkpoint's quantization method (default: read from its config.json), or int8 / int4 "
-        "to round a dense model's linears as it loads (W8A16, W4A16 group 128)",
-    )
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool off GPU")
-    p.add_argument(
-        "--num-scheduler-steps",
-        type=int,
-        default=None,
-        help="decode steps per jitted loop when the batch is decode-only and nothing waits",
-    )
-    p.add_argument("--no-async-scheduling", action="store_true", help="read each step's results before the next")
-    p.add_argument(
-        "--scheduling-policy",
-        choices=["fcfs", "priority"],
-        default=None,
-        help="priority: requests' `priority` field orders admission and preemption (lower first)",
-    )
-    p.add_argument("--compilation-cache-dir", default=None, help="JAX's persistent compilation cache ('' = off)")
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-warmup", action="store_true", help="skip compiling all batch shapes at start")
     p.add_argument(
         "--restart-engine",
         action="store_true",
         help="start a new engine core if it dies (in-flight requests still fail)",
     )
+    _add_engine_flags(p)
     return p
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    overrides = {
-        k: v
-        for k, v in dict(
-            model=args.model,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            quantization=args.quantization,
-            kv_cache_memory=args.kv_cache_memory,
-            num_scheduler_steps=args.num_scheduler_steps,
-            compilation_cache_dir=args.compilation_cache_dir,
-            seed=args.seed,
-            async_scheduling=False if args.no_async_scheduling else None,
-            scheduling_policy=args.scheduling_policy,
-        ).items()
-        if v is not None
-    }
-    if args.config:
-        return EngineArgs.from_yaml(args.config, **overrides)
-    return EngineArgs(**overrides)
+    """EngineArgs from --config, the engine flags given and the key=value overrides; a bad value is a
+    ValueError naming its flag."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
+    try:
+        return load_config(EngineArgs, args.config, flags, args.overrides, kind="engine argument")
+    except ValueError as e:
+        raise ValueError(name_flag(str(e))) from None
+
+
+def name_flag(message: str) -> str:
+    """'EngineArgs.kv_cache_dtype must be ...' -> 'argument --kv-cache-dtype must be ...'."""
+    return re.sub(r"EngineArgs\.(\w+)", lambda m: f"argument {flag(m.group(1))}", message)

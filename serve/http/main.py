@@ -11,35 +11,43 @@ from collections.abc import Sequence
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from serve.async_engine import AsyncEngine
 from serve.http.app import build_app
-from serve.http.cli_args import build_parser, engine_args_from
+from serve.http.cli_args import build_parser, engine_args_from, name_flag
+from serve.http.drain import serve_draining
+from serve.tenants import load_keys_file
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import uvicorn
-
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     try:
+        api_keys = load_keys_file(args.api_keys_file) if args.api_keys_file else None
         engine_args = engine_args_from(args)
         engine = AsyncEngine(engine_args, warmup=not args.no_warmup, restart_on_failure=args.restart_engine)
     except (ValueError, RuntimeError) as e:
-        print(f"jaxinfra serve: error: {e}", file=sys.stderr)
+        print(f"jaxinfra serve: error: {name_flag(str(e))}", file=sys.stderr)
         return 2
     name = args.served_model_name or (DEFAULT_MODEL_NAME if engine_args.model == DEFAULT_MODEL else engine_args.model)
     app = build_app(
-        engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue, request_timeout=args.request_timeout
+        engine,
+        model_name=name,
+        api_key=args.api_key,
+        api_keys=api_keys,
+        protect_metrics=args.protect_metrics,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
     )
     base = f"http://{args.host}:{args.port}"
-    auth = f' -H "Authorization: Bearer {args.api_key}"' if args.api_key else ""
+    keyed = args.api_key or api_keys
+    auth = ' -H "Authorization: Bearer $KEY"' if keyed else ""  # keys are never printed
     print(
         f"serving {name} on {base}\n  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
         f'-d \'{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}\'\n'
         f'  python -c "from openai import OpenAI; '
-        f"c = OpenAI(base_url='{base}/v1', api_key='{args.api_key or 'none'}'); "
+        f"c = OpenAI(base_url='{base}/v1', api_key='{'$KEY' if keyed else 'none'}'); "
         f"print(c.completions.create(model='{name}', prompt='Hello', max_tokens=16).choices[0].text)\"",
         flush=True,
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        serve_draining(app, args.host, args.port, args.drain_timeout)
     finally:
         engine.shutdown()
     return 0

@@ -71,6 +71,10 @@ class InputProcessor:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len ({self.max_model_len})"
             )
+        if params.use_beam_search:
+            raise ValueError(
+                "SamplingParams.use_beam_search runs through LLM.generate / LLM.beam_search, not add_request"
+            )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.logit_bias or {}):

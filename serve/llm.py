@@ -9,9 +9,10 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from serve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, step_params
 from serve.config import EngineArgs
 from serve.engine import LLMEngine
-from serve.outputs import RequestOutput
+from serve.outputs import CompletionOutput, RequestOutput
 from serve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -41,6 +42,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        if any(p is not None and p.use_beam_search for p in params):
+            return [self._beam_request(prompt, cast(SamplingParams, p)) for prompt, p in zip(prompts, params)]
         order = []
         try:
             for prompt, p in zip(prompts, params):
@@ -54,6 +57,39 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(order, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the best `params.beam_width` hypotheses of each prompt, best first."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tok = self.engine.tokenizer
+        searches = [
+            BeamSearch(self.engine.input_processor.tokenize(p), params, self.engine.core.eos_token_ids) for p in prompts
+        ]
+        while live := [s for s in searches if not s.done]:
+            batch = [(s, seq) for s in live for seq in s.pending()]
+            outs = self.generate([seq for _, seq in batch], [step_params(s) for s, _ in batch], use_tqdm=False)
+            at = 0
+            for s in live:
+                n = len(s.pending())
+                s.advance([(o.outputs[0].logprobs or [{}])[0] for o in outs[at : at + n]])
+                at += n
+        return [s.output(tok.decode if tok else None) for s in searches]
+
+    def _beam_request(self, prompt: Prompt, p: SamplingParams) -> RequestOutput:
+        """A `use_beam_search` request answered as a RequestOutput with its `n` best beams."""
+        out = self.beam_search(prompt, BeamSearchParams.from_sampling_params(p))[0]
+        return RequestOutput(
+            request_id=f"offline-{next(self._ids)}",
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=out.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[
+                CompletionOutput(i, s.text or "", s.tokens, s.cum_logprob, None, "stop" if s.finished else "length")
+                for i, s in enumerate(out.sequences[: p.n])
+            ],
+            finished=True,
+        )
 
     def chat(
         self,

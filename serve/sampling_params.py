@@ -74,6 +74,11 @@ class SamplingParams:
     output_kind: OutputKind = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    # Beam search (serve/beam_search.py; LLM.generate and the HTTP server route these requests there):
+    use_beam_search: bool = False
+    best_of: int | None = None  # beams (default n); the n best are returned
+    length_penalty: float = 1.0  # a hypothesis scores sum(logprob) / generated_len ** length_penalty
+    early_stopping: bool | str = False  # True | False | "never", as in transformers
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -140,7 +145,17 @@ class SamplingParams:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
                     raise bad("logit_bias", "values must be numbers in [-100, 100]")
             self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
-        flags = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+        check_int("best_of", self.n, INT32_MAX, optional=True)
+        check_float("length_penalty", -math.inf, math.inf)
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", "must be true, false or 'never'")
+        flags = (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "use_beam_search",
+        )
         for field in flags:
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "must be a bool")

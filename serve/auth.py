@@ -34,13 +34,17 @@ class KeyRing:
     def __init__(self, tenants_by_digest: Mapping[bytes, Tenant]) -> None:
         self._entries = list(tenants_by_digest.items())
 
-    @classmethod
-    def single(cls, api_key: str) -> KeyRing:
+    @staticmethod
+    def single(api_key: str) -> dict[bytes, Tenant]:
         """The one `--api-key`: a tenant with no limits that shares the default prefix cache."""
-        return cls({key_digest(api_key): Tenant(name="default", prefix_cache_group="")})
+        return {key_digest(api_key): Tenant(name="default", prefix_cache_group="")}
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def tenants(self) -> list[Tenant]:
+        """Each tenant once, in the file's order."""
+        return list(dict.fromkeys(tenant for _, tenant in self._entries))
 
     def lookup(self, key: str) -> Tenant | None:
         digest = key_digest(key)

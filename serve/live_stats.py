@@ -107,9 +107,11 @@ class LiveStats:
             )
         self._last_sample = (now, queries, hits, self.total_in, self.total_out)
 
-    def snapshot(self, slowest: int = 10) -> dict[str, Any]:
-        """The windows' percentiles and rates, the history, and the `slowest` requests in flight."""
+    def snapshot(self, slowest: int = 10, stats: SchedulerStats | None = None) -> dict[str, Any]:
+        """The windows' percentiles and rates, the history, and the `slowest` requests in flight;
+        `stats`: the core's gauges now (default: the last ones it sent with outputs)."""
         now = self.clock()
+        self.stats = stats or self.stats
         self._sample(now)
         self._expire(now)
 

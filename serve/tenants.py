@@ -21,7 +21,7 @@ import hashlib
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +188,16 @@ class TenantQuotas:
         self.usage[tenant.name].in_flight -= 1
         self.charge(tenant, generated_tokens)
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per-tenant numbers for /status: in flight, requests and tokens in the last minute, totals."""
+    def snapshot(self, tenants: Iterable[Tenant] = ()) -> dict[str, dict[str, Any]]:
+        """Per-tenant numbers for /status (every tenant in `tenants`, and any that sent requests):
+        in flight, requests and tokens in the last minute, totals, and the tenant's limits."""
         now = self.clock()
+        limits = {
+            t.name: {k: v for k, v in dataclasses.asdict(t).items() if k != "name" and v is not None} for t in tenants
+        }
         out = {}
-        for name, u in sorted(self.usage.items()):
+        for name in sorted({*self.usage, *limits}):
+            u = self.usage.get(name, _Usage())
             u.expire(now)
             out[name] = {
                 "in_flight": u.in_flight,
@@ -200,5 +205,6 @@ class TenantQuotas:
                 "tokens_last_minute": u.token_sum,
                 "admitted": u.admitted,
                 "refused": u.refused,
+                "limits": limits.get(name, {}),
             }
         return out

@@ -48,6 +48,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = No
 @contextlib.contextmanager
 def running_server(
     api_key: str | None = None,
+    api_keys: dict | None = None,
     max_queue: int = 64,
     request_timeout: float | None = 120,
     warmup: bool = False,
@@ -59,7 +60,12 @@ def running_server(
         EngineArgs(**{**ENGINE_DEFAULTS, **engine_kwargs}), warmup=warmup, restart_on_failure=restart_on_failure
     )
     app = build_app(
-        engine, model_name=MODEL_NAME, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout
+        engine,
+        model_name=MODEL_NAME,
+        api_key=api_key,
+        api_keys=api_keys,
+        max_queue=max_queue,
+        request_timeout=request_timeout,
     )
     with serve_in_thread(app) as url:
         yield url, app

@@ -172,6 +172,13 @@ def test_api_key():
         assert httpx.get(f"{url}/health").status_code == 200
         ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").completions.create(**body)
         assert ok.usage.completion_tokens == 2
+        # current vLLM: every route but /health, /metrics, /version, /ping needs it; any case of
+        # "Bearer", or an x-api-key header
+        assert _post(url, "/tokenize", {"prompt": "x"}).status_code == 401
+        assert httpx.get(f"{url}/status").status_code == httpx.get(f"{url}/dashboard").status_code == 401
+        for headers in ({"Authorization": "bearer s3cret"}, {"authorization": "BEARER s3cret"}, {"x-api-key": "s3cret"}):
+            assert _post(url, "/tokenize", {"prompt": "x"}, headers=headers).status_code == 200, headers
+        assert httpx.get(f"{url}/metrics").status_code == httpx.get(f"{url}/version").status_code == 200
 
 
 def test_overload_gets_429_counting_sequences():

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from serve.core_client import EngineDeadError
 from serve.http.errors import bad_request, dead
@@ -14,6 +15,7 @@ from serve.http.state import ServerState
 from serve.openai_protocol import ChatCompletionRequest, OpenAIError, _Common
 from serve.outputs import RequestOutput
 from serve.sampling_params import OutputKind
+from serve.tenants import Tenant
 
 
 def max_tokens_for(limit: int, prompt_len: int, requested: int | None, param: str) -> int:
@@ -108,16 +110,24 @@ class Generation:
         self.final: dict[int, RequestOutput] = {}
         self.text_offset: dict[int, int] = {}
         self.started: set[int] = set()  # choices that have shown their first output
+        self.tenant: Tenant | None = None  # who sent it (with --api-keys-file): its cache salt and priority
+
+    def engine_request_options(self) -> dict[str, Any]:
+        """cache_salt and priority for the engine: the tenant's cache group salts every request, and
+        its priority adds to the request's under the priority policy."""
+        req, tenant = self.req, self.tenant
+        if tenant is None:
+            return {"cache_salt": req.cache_salt, "priority": req.priority}
+        boost = tenant.priority if self.state.engine.args.scheduling_policy == "priority" else 0
+        return {"cache_salt": tenant.cache_salt(req.cache_salt), "priority": req.priority + boost}
 
     async def start(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         streams: list[AsyncGenerator[RequestOutput, None]] = []
+        options, tenant = self.engine_request_options(), self.tenant.name if self.tenant else ""
         try:
             for rid, prompt, params in zip(self.ids, self.prompts, self.params):
-                streams.append(
-                    await self.state.engine.add_request(
-                        rid, prompt, params, cache_salt=self.req.cache_salt, priority=self.req.priority
-                    )
-                )
+                self.state.metrics.start_request(rid, len(prompt), params, tenant)
+                streams.append(await self.state.engine.add_request(rid, prompt, params, **options))
         except BaseException as e:
             for s in streams:
                 await s.aclose()
@@ -126,7 +136,6 @@ class Generation:
             if isinstance(e, (ValueError, TypeError)):
                 raise bad_request(e) from e
             raise
-        self.state.metrics.observe_prompt(sum(len(p) for p in self.prompts))
         return merge(streams)
 
     def choice(self, prompt_index: int, seq_index: int) -> int:

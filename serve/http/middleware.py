@@ -1,5 +1,6 @@
 """HTTP middleware. Each entry of MIDDLEWARE takes the server state and returns a Starlette "http"
-middleware function; app.py adds them in order (the last added runs first)."""
+middleware function; app.py adds them in order (the last added runs first). API keys are checked
+outside all of them, by serve.auth.AuthMiddleware (pure ASGI)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ CallNext = Callable[[Request], Awaitable[Response]]
 Middleware = Callable[[Request, CallNext], Awaitable[Response]]
 
 
-def api_key_auth(state: ServerState) -> Middleware:
-    """With --api-key, /v1 routes need 'Authorization: Bearer KEY' (a 401 otherwise)."""
+def refuse_while_draining(state: ServerState) -> Middleware:
+    """After SIGTERM (serve.http.drain), every route but the read-only ones answers 503 with
+    Connection: close, while the requests already admitted finish."""
 
-    async def auth(request: Request, call_next: CallNext) -> Response:
-        if (
-            state.api_key
-            and request.url.path.startswith("/v1")
-            and request.headers.get("authorization", "") != f"Bearer {state.api_key}"
-        ):
-            return error_response(OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key"))
+    async def middleware(request: Request, call_next: CallNext) -> Response:
+        if state.drain.draining and request.url.path not in state.drain.open_paths:
+            response = error_response(
+                OpenAIError(503, "The server is shutting down.", type_="service_unavailable", code="server_draining")
+            )
+            response.headers["Connection"] = "close"
+            return response
         return await call_next(request)
 
-    return auth
+    return middleware
 
 
-MIDDLEWARE: tuple[Callable[[ServerState], Middleware], ...] = (api_key_auth,)
+MIDDLEWARE: tuple[Callable[[ServerState], Middleware], ...] = (refuse_while_draining,)

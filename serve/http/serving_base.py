@@ -14,11 +14,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.core_client import EngineDeadError
-from serve.http.errors import bad_request, dead
+from serve.http.errors import bad_request, dead, error_response
 from serve.http.generation import Generation
 from serve.http.state import ServerState
 from serve.openai_protocol import ChatMessage, OpenAIError, _Common
 from serve.outputs import CompletionOutput, Logprobs, RequestOutput
+from serve.tenants import QuotaExceeded
 
 
 def sse(body: dict[str, Any]) -> str:
@@ -92,17 +93,26 @@ class GenerationServing(OpenAIServing):
         return {"id": gen.id, "object": object_, "created": int(time.time()), "model": self.state.model_name}
 
     async def respond(self, request: Request, gen: Generation) -> Response:
-        """Admit `gen` (a 429 past capacity), start it, and answer with its body or its SSE stream."""
+        """Admit `gen` (a 429 past capacity, or past its tenant's quota with Retry-After), start it,
+        and answer with its body or its SSE stream."""
         state = self.state
         if state.in_flight + gen.num_seqs > state.capacity:
             raise OpenAIError(
                 429, "The server is overloaded: too many sequences in flight. Retry later.", type_="rate_limit_error"
             )
+        gen.tenant = getattr(request.state, "tenant", None)
+        if gen.tenant is not None:
+            try:
+                state.quotas.admit(gen.tenant, sum(len(p) for p in gen.prompts))
+            except QuotaExceeded as e:
+                response = error_response(OpenAIError(429, str(e), type_="rate_limit_error", code="quota_exceeded"))
+                response.headers["Retry-After"] = str(e.retry_after)
+                return response
         state.in_flight += gen.num_seqs
         try:
             merged = await gen.start()
         except BaseException:
-            state.in_flight -= gen.num_seqs
+            self.finish(gen)
             raise
         if gen.req.stream:
             return StreamingResponse(self._stream(gen, merged), media_type="text/event-stream")
@@ -135,7 +145,16 @@ class GenerationServing(OpenAIServing):
         finally:
             watcher.cancel()
             await merged.aclose()
-            state.in_flight -= gen.num_seqs
+            self.finish(gen)
+
+    def finish(self, gen: Generation) -> None:
+        """The call is over (answered, failed or abandoned): its sequences leave the in-flight count,
+        its tenant is charged for what it generated, the live stats forget its requests."""
+        self.state.in_flight -= gen.num_seqs
+        if gen.tenant is not None:
+            self.state.quotas.release(gen.tenant, gen.completion_tokens)
+        for rid in gen.ids:
+            self.state.metrics.finish_request(rid)
 
     async def _stream(
         self, gen: Generation, merged: AsyncGenerator[tuple[int, RequestOutput], None]
@@ -156,7 +175,7 @@ class GenerationServing(OpenAIServing):
             yield sse(bad_request(e).body())
         finally:
             await merged.aclose()
-            self.state.in_flight -= gen.num_seqs
+            self.finish(gen)
         yield "data: [DONE]\n\n"
 
     # --- formatting shared by completions and chat ----------------------------------------------

@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 
 from serve.async_engine import AsyncEngine
+from serve.auth import KeyRing
+from serve.http.drain import Drain
 from serve.metrics import ServerMetrics
+from serve.tenants import TenantQuotas
 
 
 class ServerState:
@@ -15,7 +18,7 @@ class ServerState:
         self,
         engine: AsyncEngine,
         model_name: str,
-        api_key: str | None,
+        keys: KeyRing | None,
         max_queue: int,
         request_timeout: float | None,
         metrics: ServerMetrics,
@@ -23,7 +26,9 @@ class ServerState:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
-        self.api_key = api_key
+        self.keys = keys  # accepted API keys and their tenants (None: no key needed)
+        self.quotas = TenantQuotas()
+        self.drain = Drain()
         self.capacity = engine.args.max_num_seqs + max_queue  # sequences (prompts x n) in flight
         self.request_timeout = request_timeout
         self.in_flight = 0

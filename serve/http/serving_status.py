@@ -1,0 +1,49 @@
+"""/status (JSON: what the server is doing now and over the last minute) and /dashboard (one
+self-contained HTML page that draws /status every second; no external scripts)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+
+from serve.core_client import EngineDeadError
+from serve.http.serving_base import OpenAIServing
+
+DASHBOARD_HTML = resources.files("serve.http").joinpath("dashboard.html").read_text()
+
+
+class ServingStatus(OpenAIServing):
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        r.add_api_route("/status", self.status, methods=["GET"])
+        r.add_api_route("/dashboard", self.dashboard, methods=["GET"], response_class=HTMLResponse)
+        return r
+
+    async def status(self, request: Request) -> dict[str, Any]:
+        state, engine = self.state, self.engine
+        memory, stats = None, None
+        if engine.healthy:
+            with contextlib.suppress(EngineDeadError):
+                memory, stats = await engine.call("memory"), await engine.call("stats")
+        return {
+            "model": state.model_name,
+            "uptime_s": round(time.time() - state.created, 1),
+            "healthy": engine.healthy,
+            "draining": state.drain.draining,
+            "in_flight_sequences": state.in_flight,
+            "capacity_sequences": state.capacity,
+            "num_blocks": engine.num_blocks,
+            "engine_args": dataclasses.asdict(engine.args),
+            **state.metrics.live.snapshot(stats=stats),
+            "memory": memory,
+            "tenants": state.quotas.snapshot(state.keys.tenants() if state.keys else ()),
+        }
+
+    async def dashboard(self) -> HTMLResponse:
+        return HTMLResponse(DASHBOARD_HTML)

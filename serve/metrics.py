@@ -104,9 +104,6 @@ class ServerMetrics:
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
         self._requests: dict[str, _Tracked] = {}
 
-    def observe_prompt(self, num_tokens: int) -> None:
-        self.prompt_tokens.labels(self.model_name, "").inc(num_tokens)
-
     def start_request(self, request_id: str, prompt_tokens: int, params: SamplingParams, tenant: str = "") -> None:
         """An engine request was admitted: its prompt and parameters are counted under its tenant."""
         self._requests[request_id] = _Tracked(tenant)

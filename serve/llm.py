@@ -13,9 +13,8 @@ from serve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, st
 from serve.config import EngineArgs
 from serve.engine import LLMEngine
 from serve.outputs import CompletionOutput, RequestOutput
+from serve.prompt_inputs import Prompt, PromptLike, parse_prompts
 from serve.sampling_params import SamplingParams
-
-Prompt = str | list[int]
 
 
 class LLM:
@@ -32,24 +31,27 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: PromptLike | Seq[PromptLike],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (strings or token id lists)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        """Outputs in the order of `prompts`: strings, token id lists, {"prompt": ...} or
+        {"prompt_token_ids": [...]} dicts (vLLM's forms, optionally with "cache_salt"), or a list of them."""
+        inputs = parse_prompts(prompts)
+        params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(inputs)
+        if len(params) != len(inputs):
+            raise ValueError(f"{len(params)} sampling_params for {len(inputs)} prompts")
         if any(p is not None and p.use_beam_search for p in params):
-            return [self._beam_request(prompt, cast(SamplingParams, p)) for prompt, p in zip(prompts, params)]
+            return [self._beam_request(i.prompt, cast(SamplingParams, p)) for i, p in zip(inputs, params)]
         order = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, p in zip(inputs, params):
                 rid = f"offline-{next(self._ids)}"
                 self.engine.add_request(
-                    rid, prompt, dataclasses.replace(p or SamplingParams(), output_kind="final_only")
+                    rid,
+                    i.prompt,
+                    dataclasses.replace(p or SamplingParams(), output_kind="final_only"),
+                    cache_salt=i.cache_salt,
                 )
                 order.append(rid)
         except (ValueError, TypeError):
@@ -58,13 +60,12 @@ class LLM:
             raise
         return self._run(order, use_tqdm)
 
-    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptLike | Seq[PromptLike], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: the best `params.beam_width` hypotheses of each prompt, best first."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         tok = self.engine.tokenizer
         searches = [
-            BeamSearch(self.engine.input_processor.tokenize(p), params, self.engine.core.eos_token_ids) for p in prompts
+            BeamSearch(self.engine.input_processor.tokenize(i.prompt), params, self.engine.core.eos_token_ids)
+            for i in parse_prompts(prompts)
         ]
         while live := [s for s in searches if not s.done]:
             batch = [(s, seq) for s in live for seq in s.pending()]

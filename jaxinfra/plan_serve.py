@@ -363,7 +363,12 @@ def add_arguments(parser: argparse.ArgumentParser, model_default: str, model_hel
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--attn-impl", default="pallas", choices=("pallas", "xla", "reference"))
+    parser.add_argument(
+        "--attn-impl",
+        default=None,
+        choices=("pallas", "xla", "reference"),
+        help="paged attention the engine will run (default: pallas on a GPU, xla off it; pallas pads head dims to 2^k)",
+    )
     parser.add_argument("--prompt-len", type=_pair, default=(512, 2048), help="prompt tokens P50,P99")
     parser.add_argument("--output-len", type=_pair, default=(256, 1024), help="output tokens P50,P99")
     parser.add_argument("--requests", default=None, help="JSONL of real requests (prompt_tokens, completion_tokens)")
@@ -400,7 +405,7 @@ def main(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
-        attn_impl=args.attn_impl,
+        attn_impl=args.attn_impl or ("xla" if device.total is None else "pallas"),
     )
     workload = (
         Workload.from_jsonl(args.requests)

@@ -152,9 +152,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "architecture",
             f"{cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
             f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, "
-            f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}",
+            f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+            + (
+                f", {cfg.num_experts} experts x {cfg.moe_intermediate_size} (top-{cfg.num_experts_per_tok})"
+                if cfg.num_experts
+                else ""
+            ),
         ),
         ("parameters", f"{n:,}"),
+        *([("active parameters/token (moe)", f"{cfg.num_active_params:,}")] if cfg.num_experts else []),
         ("quantization", method or "none"),
         weights,
         (f"kv-cache bytes/token ({dtype})", f"{cfg.kv_bytes_per_token(width):,}"),

@@ -18,7 +18,12 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# Mixture-of-experts model types -> the dense family whose attention they share.
+MOE_FAMILIES = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -65,6 +70,14 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # mixture of experts (num_experts 0: every layer a dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0  # each expert's MLP width; 0: intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (sigmoid-gated); 0: none
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # MoE in layers i with (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these (dense MLP)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -72,6 +85,9 @@ class ModelConfig:
         if isinstance(self.eos_token_id, int):
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
         object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id or ()))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        if not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
         for name in (
@@ -99,17 +115,67 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"ModelConfig.sliding_window must be > 0 or null, got {self.sliding_window}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if (self.num_experts > 0) != (self.model_type in MOE_FAMILIES):
+            raise ValueError(
+                f"ModelConfig.num_experts must be > 0 exactly for the MoE model types {sorted(MOE_FAMILIES)}, "
+                f"got {self.num_experts} for {self.model_type!r}"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"ModelConfig.shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
+            )
+
+    @property
+    def family(self) -> str:
+        """The dense model type whose attention this one uses (itself for dense models)."""
+        return MOE_FAMILIES.get(self.model_type, self.model_type)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has a mixture of experts (else a dense MLP), as HF decides."""
+        sparse = self.num_experts > 0 and (index + 1) % self.decoder_sparse_step == 0
+        return sparse and index not in self.mlp_only_layers
+
+    def _ffn_params(self, active: bool) -> int:
+        """Feed-forward parameters over all layers: every expert's, or only the top-k's (`active`)."""
+        e, total = self.hidden_size, 0
+        for i in range(self.num_layers):
+            if not self.is_moe_layer(i):
+                total += 3 * e * self.intermediate_size
+                continue
+            experts = self.num_experts_per_tok if active else self.num_experts
+            shared = 3 * e * self.shared_expert_intermediate_size + e * bool(self.shared_expert_intermediate_size)
+            total += experts * 3 * e * self.moe_intermediate_size + e * self.num_experts + shared
+        return total
 
     @property
     def num_params(self) -> int:
         """Number of parameters, counting a tied embedding once."""
+        return self._count_params(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: num_params with only the top-k experts of each MoE layer."""
+        return self._count_params(active=True)
+
+    def _count_params(self, active: bool) -> int:
         e, d = self.hidden_size, self.head_dim
         attn = e * d * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += (self.num_heads + 2 * self.num_kv_heads) * d * self.qkv_bias + e * self.o_bias
         attn += 2 * d * self.qk_norm
-        layer = attn + 3 * e * self.intermediate_size + 2 * e
+        layers = self.num_layers * (attn + 2 * e) + self._ffn_params(active)
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + self.num_layers * layer + e + head
+        return self.vocab_size * e + layers + e + head
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """KV-cache bytes one token occupies across all layers (K and V)."""
@@ -162,7 +228,8 @@ class ModelConfig:
             scaling = RopeScaling(rope_type=rope_type, **{k: v for k, v in rope.items() if k in fields})
         attention_bias = bool(config.get("attention_bias", False))
         sliding_window = config.get("sliding_window")
-        if model_type in ("qwen2", "qwen3"):
+        family = MOE_FAMILIES.get(model_type, model_type)
+        if family in ("qwen2", "qwen3"):
             if config.get("use_sliding_window"):
                 raise ValueError("config.json: use_sliding_window=true (per-layer windows) is not supported")
             sliding_window = None
@@ -182,28 +249,29 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=family == "qwen3",
             sliding_window=sliding_window,
             initializer_range=config.get("initializer_range", 0.02),
             dtype=dtype if dtype in DTYPES else "float32",
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=() if eos is None else eos,
+            **_moe_from_hf(model_type, config),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json `transformers` needs to rebuild this model."""
         if self.attn_logit_softcap is not None:
             raise ValueError("attn_logit_softcap has no Llama-family HF equivalent; cannot export")
-        if self.model_type == "qwen2" and (not self.qkv_bias or self.o_bias):
-            raise ValueError("qwen2 export needs qkv_bias=true and o_bias=false")
-        if self.model_type != "qwen2" and self.qkv_bias != self.o_bias:
+        if self.family == "qwen2" and (not self.qkv_bias or self.o_bias):
+            raise ValueError(f"{self.model_type} export needs qkv_bias=true and o_bias=false")
+        if self.family != "qwen2" and self.qkv_bias != self.o_bias:
             raise ValueError(f"{self.model_type} export needs qkv_bias == o_bias (attention_bias)")
-        if self.qk_norm != (self.model_type == "qwen3"):
-            raise ValueError("qk_norm is exported only as model_type qwen3")
-        if self.sliding_window is not None and self.model_type != "mistral":
-            raise ValueError("sliding_window is exported only as model_type mistral")
+        if self.qk_norm != (self.family == "qwen3"):
+            raise ValueError("qk_norm is exported only as model_type qwen3 / qwen3_moe")
+        if self.sliding_window is not None and self.family != "mistral":
+            raise ValueError("sliding_window is exported only as model_type mistral / mixtral")
         out: dict[str, Any] = {
             "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
@@ -225,11 +293,62 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
         }
-        if self.model_type != "qwen2":
+        if self.family != "qwen2":
             out["attention_bias"] = self.o_bias
-        if self.model_type == "mistral":
+        if self.family == "mistral":
             out["sliding_window"] = self.sliding_window
+        return {**out, **self._moe_to_hf()}
+
+    def _moe_to_hf(self) -> dict[str, Any]:
+        """The MoE fields of config.json (Mixtral names its experts' width intermediate_size)."""
+        if self.model_type == "mixtral":
+            if self.shared_expert_intermediate_size or not self.norm_topk_prob or self.decoder_sparse_step != 1:
+                raise ValueError("mixtral export needs no shared expert, norm_topk_prob and every layer sparse")
+            if self.mlp_only_layers:
+                raise ValueError("mixtral export needs mlp_only_layers empty")
+            return {
+                "intermediate_size": self.moe_intermediate_size,
+                "num_local_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+            }
+        if self.model_type not in MOE_FAMILIES:
+            return {}
+        if self.shared_expert_intermediate_size and self.model_type != "qwen2_moe":
+            raise ValueError("a shared expert is exported only as model_type qwen2_moe")
+        out: dict[str, Any] = {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+        }
+        if self.model_type == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return out
+
+
+def _moe_from_hf(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's MoE fields from an HF config.json (none for dense model types)."""
+    if model_type == "mixtral":
+        return {
+            "num_experts": config["num_local_experts"],
+            "num_experts_per_tok": config.get("num_experts_per_tok", 2),
+            "norm_topk_prob": True,
+        }
+    if model_type not in MOE_FAMILIES:
+        return {}
+    return {
+        "num_experts": config.get("num_experts") or config["num_local_experts"],  # transformers v5 renames it
+        "num_experts_per_tok": config.get("num_experts_per_tok", 2),
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size", 0)
+        if model_type == "qwen2_moe"
+        else 0,
+        "norm_topk_prob": bool(config.get("norm_topk_prob", model_type == "qwen3_moe")),
+        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
+    }
 
 
 def list_presets() -> list[str]:

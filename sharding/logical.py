@@ -12,7 +12,19 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage")
+LOGICAL_AXES = (
+    "batch",
+    "length",
+    "embed",
+    "mlp",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "vocab",
+    "layers",
+    "stage",
+    "experts",
+)
 MeshAxes = str | tuple[str, ...] | None
 Rules = Mapping[str, MeshAxes]
 

@@ -32,6 +32,41 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32)),
 }
 
+# Mixture-of-experts families (tests/test_moe.py), kept out of the dense parity matrix.
+MOE_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "mixtral_moe": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    ),
+    "qwen2_moe_shared": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=96,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=40,
+            norm_topk_prob=True,
+        ),
+    ),
+}
+
 BASE = dict(
     vocab_size=300,
     hidden_size=64,
@@ -48,7 +83,7 @@ BASE = dict(
 
 def make_hf_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """A tiny random model whose every weight (biases and norms too) is random, in float32."""
-    config_cls, model_cls, kwargs = FAMILIES[family]
+    config_cls, model_cls, kwargs = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
     config = getattr(transformers, config_cls)(**{**BASE, **kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)._from_config(config, attn_implementation="eager").float().eval()

@@ -37,12 +37,22 @@ class TensorMap:
     """How one of our parameters is stored in HF: its name and layout.
 
     kind "same": identical shape; "flat": HF flattens it; "linear": HF's nn.Linear [out, in] where
-    our first `n_in` dims are the input and the rest the output.
+    our first `n_in` dims are the input and the rest the output. `per_expert`: our leading axis is
+    the experts, each slice stored as its own tensor (`{expert}` in the name) in that layout.
     """
 
     hf_name: str
     kind: str
     n_in: int = 1
+    per_expert: bool = False
+
+    def hf_names(self, shape: tuple[int, ...]) -> list[str]:
+        """The HF tensors that hold this parameter (one per expert when `per_expert`)."""
+        return [self.hf_name.format(expert=i) for i in range(shape[0])] if self.per_expert else [self.hf_name]
+
+    def slice_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Our shape of what one HF tensor holds."""
+        return shape[1:] if self.per_expert else shape
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.kind == "same":
@@ -77,6 +87,27 @@ _LAYER_MAP = {
     ("mlp", "up_proj"): TensorMap("mlp.up_proj.weight", "linear"),
     ("mlp", "down_proj"): TensorMap("mlp.down_proj.weight", "linear"),
 }
+_QWEN_MOE_MAP = {
+    ("mlp", "router"): TensorMap("mlp.gate.weight", "linear"),
+    ("mlp", "expert_gate"): TensorMap("mlp.experts.{expert}.gate_proj.weight", "linear", per_expert=True),
+    ("mlp", "expert_up"): TensorMap("mlp.experts.{expert}.up_proj.weight", "linear", per_expert=True),
+    ("mlp", "expert_down"): TensorMap("mlp.experts.{expert}.down_proj.weight", "linear", per_expert=True),
+    ("mlp", "shared", "gate_proj"): TensorMap("mlp.shared_expert.gate_proj.weight", "linear"),
+    ("mlp", "shared", "up_proj"): TensorMap("mlp.shared_expert.up_proj.weight", "linear"),
+    ("mlp", "shared", "down_proj"): TensorMap("mlp.shared_expert.down_proj.weight", "linear"),
+    ("mlp", "shared_gate"): TensorMap("mlp.shared_expert_gate.weight", "linear"),
+}
+# MoE model type -> its expert block's tensors (Mixtral: block_sparse_moe, w1 = gate, w3 = up, w2 = down).
+_MOE_MAPS = {
+    "mixtral": {
+        ("mlp", "router"): TensorMap("block_sparse_moe.gate.weight", "linear"),
+        ("mlp", "expert_gate"): TensorMap("block_sparse_moe.experts.{expert}.w1.weight", "linear", per_expert=True),
+        ("mlp", "expert_up"): TensorMap("block_sparse_moe.experts.{expert}.w3.weight", "linear", per_expert=True),
+        ("mlp", "expert_down"): TensorMap("block_sparse_moe.experts.{expert}.w2.weight", "linear", per_expert=True),
+    },
+    "qwen2_moe": _QWEN_MOE_MAP,
+    "qwen3_moe": _QWEN_MOE_MAP,
+}
 _TOP_MAP = {
     ("embed",): TensorMap("model.embed_tokens.weight", "same"),
     ("norm", "scale"): TensorMap("model.norm.weight", "same"),
@@ -84,10 +115,11 @@ _TOP_MAP = {
 }
 
 
-def tensor_map(path: tuple) -> TensorMap:
+def tensor_map(path: tuple, model_type: str = "llama") -> TensorMap:
     """The HF name and layout of the parameter at `path` in our model state."""
     if path[0] == "layers":
-        m = _LAYER_MAP[tuple(path[2:])]
+        key = tuple(path[2:])
+        m = _MOE_MAPS[model_type][key] if key in _MOE_MAPS.get(model_type, {}) else _LAYER_MAP[key]
         return dataclasses.replace(m, hf_name=f"model.layers.{path[1]}.{m.hf_name}")
     return _TOP_MAP[tuple(path)]
 
@@ -139,11 +171,14 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
     abstract = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl))
     quantized: set[str] = set()
     qcfg = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    if qcfg is not None and cfg.num_experts:
+        raise ValueError(f"{directory}: quantized mixture-of-experts checkpoints are not supported")
     if qcfg is not None:  # quantized linears are read now; the dense tensors below
         quantized = attach_quantized(abstract, qcfg, reader.where.__contains__, reader.read, _hf_name, cfg.dtype)
     graphdef, state = nnx.split(abstract)
     flat = [(path, var) for path, var in nnx.to_flat_state(state) if isinstance(var, nnx.Param)]
-    expected = {tensor_map(path).hf_name for path, _ in flat} | quantized
+    maps = {path: tensor_map(path, cfg.model_type) for path, _ in flat}
+    expected = {name for path, var in flat for name in maps[path].hf_names(var.shape)} | quantized
     unexpected = sorted(
         n
         for n in reader.where
@@ -155,14 +190,17 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
         raise ValueError(f"{directory}: unexpected tensor(s) for {cfg.model_type}: {unexpected[:8]}")
     loaded = [(path, var) for path, var in nnx.to_flat_state(state) if not isinstance(var, nnx.Param)]
     for path, var in tqdm(flat, desc=f"loading {directory.name}", unit="tensor", leave=False):
-        m = tensor_map(path)
-        if m.hf_name not in reader.where:
-            raise ValueError(f"{directory}: missing tensor {m.hf_name!r}")
-        want = m.hf_shape(var.shape)
-        got = reader.shape(m.hf_name)
-        if got != want:
-            raise ValueError(f"{directory}: tensor {m.hf_name!r} has shape {list(got)}, expected {list(want)}")
-        value = m.to_ours(reader.read(m.hf_name), var.shape)
+        m = maps[path]
+        shape = m.slice_shape(var.shape)
+        slices = []
+        for name in m.hf_names(var.shape):
+            if name not in reader.where:
+                raise ValueError(f"{directory}: missing tensor {name!r}")
+            want, got = m.hf_shape(shape), reader.shape(name)
+            if got != want:
+                raise ValueError(f"{directory}: tensor {name!r} has shape {list(got)}, expected {list(want)}")
+            slices.append(m.to_ours(reader.read(name), shape))
+        value = np.stack(slices) if m.per_expert else slices[0]
         loaded.append((path, var.replace(value=jnp.asarray(value, dtype=cfg.dtype))))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
@@ -170,9 +208,11 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
 def _hf_tensors(model: LlamaModel, dtype: str | None) -> Iterator[tuple[str, np.ndarray]]:
     """Dense parameters in HF names and layouts (quantized linears are written by jaxinfra.quant)."""
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        m = tensor_map(path)
-        w = m.to_hf(np.asarray(var[...]))
-        yield m.hf_name, w.astype(jnp.dtype(dtype)) if dtype else w
+        m = tensor_map(path, model.cfg.model_type)
+        value = np.asarray(var[...])
+        for name, w in zip(m.hf_names(value.shape), value if m.per_expert else [value], strict=True):
+            w = m.to_hf(w)
+            yield name, w.astype(jnp.dtype(dtype)) if dtype else w
 
 
 def export_hf(
@@ -190,7 +230,11 @@ def export_hf(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg.replace(dtype=dtype) if dtype else model.cfg
-    qtensors, qcfg = quantized_tensors(model, quant_format, _hf_name, jnp.dtype(dtype) if dtype else None)
+    qtensors, qcfg = (  # MoE models are never quantized (their experts are not linears by name)
+        ([], None)
+        if cfg.num_experts
+        else quantized_tensors(model, quant_format, _hf_name, jnp.dtype(dtype) if dtype else None)
+    )
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, w in [*_hf_tensors(model, dtype), *qtensors]:

@@ -1,4 +1,5 @@
-"""One Flax NNX decoder for the Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3), set by ModelConfig."""
+"""One Flax NNX decoder for the Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) and its
+mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE), set by ModelConfig."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
+from jaxinfra.models.moe import MoE, collect, emit
 from jaxinfra.models.rope import apply_rope, inverse_frequencies
 from jaxinfra.models.sharded_attention import cached_attention, dense_attention
 from jaxinfra.quant.qlinear import Weight, linear
@@ -152,10 +154,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); `width` overrides intermediate_size."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
-        e, m, std, dt = cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, cfg.dtype
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None) -> None:
+        e, m, std, dt = cfg.hidden_size, width or cfg.intermediate_size, cfg.initializer_range, cfg.dtype
         self.gate_proj = _param(rngs, (e, m), ("embed", "mlp"), std, dt)
         self.up_proj = _param(rngs, (e, m), ("embed", "mlp"), std, dt)
         self.down_proj = _param(rngs, (m, e), ("mlp", "embed"), std, dt)
@@ -179,13 +181,13 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (or mixture of experts, by the config and `index`)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None, index: int = 0) -> None:
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", cfg.dtype)
         self.attn = Attention(cfg, rngs, attn_impl)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", cfg.dtype)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = feed_forward(cfg, rngs, index)
 
     def __call__(
         self,
@@ -198,6 +200,14 @@ class DecoderLayer(nnx.Module):
         x = x + h
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "embed")), cache
+
+
+def feed_forward(cfg: ModelConfig, rngs: nnx.Rngs, index: int) -> MLP | MoE:
+    """Layer `index`'s MLP, or its mixture of experts (with Qwen2-MoE's shared expert, an MLP)."""
+    if not cfg.is_moe_layer(index):
+        return MLP(cfg, rngs)
+    width = cfg.shared_expert_intermediate_size
+    return MoE(cfg, rngs, MLP(cfg, rngs, width) if width else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +305,9 @@ def _layer_call(
     positions: jax.Array,
     metadata: AttentionMetadata,
     cache: KVCache | PagedKVCache | None,
-) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
-    return layer(x, positions, metadata, cache)
+) -> tuple[tuple[jax.Array, KVCache | PagedKVCache | None], Any]:
+    """One layer, its MoE router statistics handed out (it may run under remat)."""
+    return collect(lambda: layer(x, positions, metadata, cache))
 
 
 class LlamaModel(nnx.Module):
@@ -314,7 +325,7 @@ class LlamaModel(nnx.Module):
         self.compute_dtype: str | None = None  # activations' dtype when the weights are kept float32
         std, dt = cfg.initializer_range, cfg.dtype
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), std, dt)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dt)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std, dt)
@@ -341,7 +352,8 @@ class LlamaModel(nnx.Module):
         new_caches: list | None = [] if caches is not None else None
         call = _layer_call if self.remat == "none" else nnx.remat(_layer_call, policy=REMAT_POLICIES[self.remat])
         for i, layer in enumerate(self.layers):
-            x, cache = call(layer, x, positions, metadata, None if caches is None else caches[i])
+            (x, cache), stats = call(layer, x, positions, metadata, None if caches is None else caches[i])
+            emit(stats)
             if new_caches is not None:
                 new_caches.append(cache)
         return self.norm(x), new_caches
@@ -363,13 +375,14 @@ class LlamaModel(nnx.Module):
         (`stack`, or this model's layers stacked at trace time)."""
         stack = stack or LayerStack.of(self.layers)
 
-        def body(h: jax.Array, params: dict) -> tuple[jax.Array, None]:
-            out, _ = stack.layer(params)(h, positions, metadata, None)
-            return out, None
+        def body(h: jax.Array, params: dict) -> tuple[jax.Array, Any]:
+            (out, _), stats = collect(lambda: stack.layer(params)(h, positions, metadata, None))
+            return out, stats
 
         if self.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat])
-        x, _ = jax.lax.scan(body, x, stack.params)
+        x, stats = jax.lax.scan(body, x, stack.params)
+        emit(stats)
         return x
 
     def run_paged_layers(

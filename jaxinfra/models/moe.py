@@ -1,0 +1,184 @@
+"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a float32 softmax top-k router,
+dropless dispatch (token copies sorted by expert, one grouped matmul per projection over the ragged
+groups), an optional capacity that drops overflow for training, and the router's statistics (load-
+balancing loss, z-loss, tokens per expert) recorded for whoever asks (`record_router_stats`)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxinfra.config import ModelConfig
+from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference as grouped_matmul
+from sharding import constrain
+
+_STATS: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_stats", default=None)
+_CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("capacity_factor", default=None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RouterStats:
+    """One MoE layer's router on one batch (or layers stacked on a leading axis)."""
+
+    aux_loss: jax.Array  # Switch/HF load-balancing loss: num_experts * sum_e (assignments_e / tokens) * mean prob_e
+    z_loss: jax.Array  # mean over tokens of logsumexp(router logits)^2
+    counts: jax.Array  # [..., num_experts] int32: token copies routed to each expert (before any capacity)
+
+
+@contextlib.contextmanager
+def record_router_stats() -> Iterator[list[RouterStats]]:
+    """Within: every MoE layer appends its RouterStats to the yielded list (for training losses and
+    load metrics). Layers run inside a transformation (scan, remat) hand theirs out via `collect`."""
+    stats: list[RouterStats] = []
+    token = _STATS.set(stats)
+    try:
+        yield stats
+    finally:
+        _STATS.reset(token)
+
+
+@contextlib.contextmanager
+def capacity_factor(factor: float | None) -> Iterator[None]:
+    """Within: each expert takes at most ceil(factor * token copies / num_experts) copies per batch;
+    the rest are dropped (their residual passes through). None: dropless."""
+    if factor is not None and factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or None, got {factor}")
+    token = _CAPACITY.set(factor)
+    try:
+        yield
+    finally:
+        _CAPACITY.reset(token)
+
+
+def collect(fn: Callable[[], Any]) -> tuple[Any, RouterStats | None]:
+    """fn() and the RouterStats its MoE layers recorded, summed (None when nothing is recording): for
+    a body traced under scan or remat, whose stats must leave it as outputs. Re-`emit` them outside."""
+    if _STATS.get() is None:
+        return fn(), None
+    with record_router_stats() as stats:
+        out = fn()
+    if not stats:
+        return out, None
+    return out, jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *stats)
+
+
+def emit(stats: RouterStats | None) -> None:
+    """Record stats handed out of a transformation by `collect` (no-op when nothing is recording)."""
+    recorder = _STATS.get()
+    if stats is not None and recorder is not None:
+        recorder.append(stats)
+
+
+def route(
+    logits: Float[Array, "N X"], k: int, normalize: bool
+) -> tuple[Float[Array, "N K"], Int[Array, "N K"], Float[Array, "N X"]]:
+    """Softmax top-k in float32: (weights, expert ids, all probabilities); weights renormalized to
+    sum to 1 when `normalize` (Mixtral, Qwen3-MoE), raw probabilities otherwise (Qwen2-MoE)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts, probs
+
+
+def router_stats(logits: Float[Array, "N X"], probs: Float[Array, "N X"], counts: Int[Array, " X"]) -> RouterStats:
+    """The load-balancing loss (as transformers' load_balancing_loss_func), z-loss and counts."""
+    n, x = probs.shape
+    aux = x * jnp.sum(counts.astype(jnp.float32) / n * jnp.mean(probs, axis=0))
+    z = jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+    return RouterStats(aux, z, counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """Token copies in expert order: `order[i]` is the flat (token * k + slot) index of sorted copy i;
+    `group_sizes[e]` the copies expert e computes (overflow past a capacity sorts last, uncomputed)."""
+
+    order: jax.Array
+    group_sizes: jax.Array
+    counts: jax.Array  # copies routed to each expert before the capacity cut
+    kept: jax.Array | None  # [N * k] bool per flat copy, None when dropless
+
+
+def dispatch(experts: Int[Array, "N K"], num_experts: int, capacity: int | None) -> Dispatch:
+    """Sort token copies by expert (stable: token order within a group); with `capacity`, copies past
+    it in their expert's group move to the end, outside every group."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    if capacity is None:
+        return Dispatch(order, counts, counts, None)
+    sorted_experts = flat[order]
+    starts = jnp.cumsum(counts) - counts
+    keep_sorted = jnp.arange(flat.shape[0]) - starts[sorted_experts] < capacity
+    kept = jnp.zeros(flat.shape, bool).at[order].set(keep_sorted)
+    order = order[jnp.argsort(jnp.where(keep_sorted, sorted_experts, num_experts), stable=True)]
+    return Dispatch(order, jnp.minimum(counts, capacity), counts, kept)
+
+
+def expert_capacity(tokens: int, k: int, num_experts: int, factor: float | None) -> int | None:
+    """Copies each expert may take: ceil(factor * tokens * k / num_experts); None for dropless."""
+    return None if factor is None else max(1, math.ceil(factor * tokens * k / num_experts))
+
+
+def experts_ffn(
+    x: Float[Array, "M E"],
+    group_sizes: Int[Array, " X"],
+    gate: Float[Array, "X E F"],
+    up: Float[Array, "X E F"],
+    down: Float[Array, "X F E"],
+) -> Float[Array, "M E"]:
+    """SwiGLU of each row with its group's expert: down(silu(x @ gate) * (x @ up)), as grouped matmuls."""
+    gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
+    h = jax.nn.silu(grouped_matmul(x, gate, group_sizes)) * grouped_matmul(x, up, group_sizes)
+    return grouped_matmul(h, down, group_sizes)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float, dtype: str) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+class MoE(nnx.Module):
+    """Top-k routed SwiGLU experts, plus an optional always-on shared expert behind a sigmoid gate
+    (Qwen2-MoE). Expert weights are stacked [experts, ...] for the grouped matmuls."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, shared: nnx.Module | None = None) -> None:
+        x, e, f, std, dt = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.initializer_range, cfg.dtype
+        self.num_experts, self.top_k, self.normalize = x, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = _param(rngs, (e, x), ("embed", None), std, dt)
+        self.expert_gate = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), std, dt)
+        self.expert_up = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), std, dt)
+        self.expert_down = _param(rngs, (x, f, e), ("experts", "mlp", "embed"), std, dt)
+        self.shared = shared
+        if shared is not None:
+            self.shared_gate = _param(rngs, (e,), ("embed",), std, dt)
+
+    def __call__(self, h: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+        b, t, e = h.shape
+        x = h.reshape(b * t, e)
+        logits = jnp.einsum("ne,ex->nx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        weights, experts, probs = route(logits, self.top_k, self.normalize)
+        capacity = expert_capacity(b * t, self.top_k, self.num_experts, _CAPACITY.get())
+        d = dispatch(experts, self.num_experts, capacity)
+        emit(router_stats(logits, probs, d.counts) if _STATS.get() is not None else None)
+        weights_e = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+        y = experts_ffn(jnp.take(x, d.order // self.top_k, axis=0), d.group_sizes, *weights_e)
+        inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))
+        w = weights.reshape(-1) if d.kept is None else jnp.where(d.kept, weights.reshape(-1), 0.0)
+        copies = jnp.take(y, inverse, axis=0).astype(jnp.float32) * w[:, None]
+        out = jnp.sum(copies.reshape(b * t, self.top_k, e), axis=1).astype(h.dtype).reshape(b, t, e)
+        if self.shared is not None:
+            gate = jax.nn.sigmoid(jnp.einsum("bte,e->bt", h, self.shared_gate[...].astype(h.dtype)))
+            out = out + gate[..., None] * self.shared(h)
+        return constrain(out, ("batch", "length", "embed"))

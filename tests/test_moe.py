@@ -1,0 +1,106 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE with a shared expert, Qwen3-MoE) against
+`transformers` on random checkpoints, the paged engine's greedy outputs against its generate, and the
+router's dispatch (capacity, statistics)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_oracle import MOE_FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf_model
+
+import jaxinfra
+from jaxinfra.config import ModelConfig
+from jaxinfra.models import moe
+from serve import EngineArgs, LLMEngine, SamplingParams
+
+LOGIT_TOL = 1e-4  # float32 max abs, as for the dense families
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
+def family_checkpoint(request, tmp_path_factory):
+    model = make_hf_model(request.param)
+    return request.param, model, save_hf_model(model, tmp_path_factory.mktemp(request.param))
+
+
+def test_logits_match_transformers_and_export_round_trips(family_checkpoint, tmp_path):
+    family, hf_model, path = family_checkpoint
+    ours = jaxinfra.load_model(path)
+    assert ours.cfg.num_experts == MOE_FAMILIES[family][2].get("num_experts", 4)
+    ids = np.random.default_rng(1).integers(0, 300, (2, 23))
+    logits = np.asarray(jax.jit(lambda x: ours(x))(jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(logits, hf_logits(hf_model, ids), atol=LOGIT_TOL, rtol=0)
+    for layer in ours.layers:  # parity is not vacuous: the other top-k weighting moves the logits
+        if isinstance(layer.mlp, moe.MoE):
+            layer.mlp.normalize = not layer.mlp.normalize
+    flipped = np.asarray(jax.jit(lambda x: ours(x))(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(flipped - logits).max() > 1e-2
+    for layer in ours.layers:
+        if isinstance(layer.mlp, moe.MoE):
+            layer.mlp.normalize = not layer.mlp.normalize
+    if family == "qwen2_moe_shared":  # the sparse/dense layer choice, shared expert and its gate
+        assert isinstance(ours.layers[0].mlp, moe.MoE) and not isinstance(ours.layers[1].mlp, moe.MoE)
+        assert ours.layers[0].mlp.shared is not None
+    import transformers
+
+    exported = jaxinfra.export_hf(ours, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).float().eval()
+    np.testing.assert_allclose(hf_logits(reloaded, ids), logits, atol=LOGIT_TOL, rtol=0)
+
+
+def test_paged_engine_greedy_matches_transformers_generate(tmp_path):
+    hf_model = make_hf_model("qwen2_moe_shared", seed=4)
+    path = save_hf_model(hf_model, tmp_path)
+    args = EngineArgs(
+        model=str(path),
+        block_size=8,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_gpu_blocks_override=32,
+        compilation_cache_dir="",
+    )
+    eng = LLMEngine(jaxinfra.load_model(path), None, args)
+    rng = np.random.default_rng(5)
+    batch = [rng.integers(3, 300, n).tolist() for n in (5, 19, 11)]  # no pad id (0): HF would mask it
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, prompt in enumerate(batch):
+        eng.add_request(str(i), prompt, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    for i, prompt in enumerate(batch):
+        assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, 10)
+
+
+def test_capacity_drops_overflow_copies_in_token_order():
+    experts = jnp.asarray([[0, 1], [0, 2], [0, 1], [3, 0]])  # expert 0 gets 4 copies, capacity 2
+    d = moe.dispatch(experts, 4, capacity=2)
+    np.testing.assert_array_equal(np.asarray(d.counts), [4, 2, 1, 1])
+    np.testing.assert_array_equal(np.asarray(d.group_sizes), [2, 2, 1, 1])
+    # the first two copies of expert 0 (tokens 0 and 1) are kept; tokens 2 and 3's copies of 0 dropped
+    np.testing.assert_array_equal(np.asarray(d.kept).reshape(4, 2), [[1, 1], [1, 1], [0, 1], [1, 0]])
+    np.testing.assert_array_equal(np.asarray(d.order[:6]), [0, 2, 1, 5, 3, 6])
+    dropless = moe.dispatch(experts, 4, capacity=None)
+    assert dropless.kept is None and int(dropless.group_sizes.sum()) == 8
+
+
+def test_router_stats_and_capacity_in_the_forward():
+    cfg = ModelConfig.from_preset("tiny-mixtral")
+    layer = moe.MoE(cfg, nnx.Rngs(0))
+    h = jax.random.normal(jax.random.PRNGKey(1), (2, 16, cfg.hidden_size))
+    with moe.record_router_stats() as stats:
+        dropless = layer(h)
+    (s,) = stats
+    assert int(s.counts.sum()) == 32 * cfg.num_experts_per_tok
+    assert float(s.aux_loss) >= 1.0 - 1e-5  # >= 1, equal only at a perfectly uniform router
+    logits = jnp.einsum("ne,ex->nx", h.reshape(32, -1), layer.router[...])
+    np.testing.assert_allclose(float(s.z_loss), float(jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)), rtol=1e-5)
+    with moe.capacity_factor(0.5):
+        dropped = layer(h)
+    with moe.capacity_factor(100.0):
+        roomy = layer(h)
+    np.testing.assert_allclose(np.asarray(roomy), np.asarray(dropless), atol=1e-6)
+    assert np.abs(np.asarray(dropped) - np.asarray(dropless)).max() > 1e-3
+    with pytest.raises(ValueError, match="capacity_factor"), moe.capacity_factor(0.0):
+        pass

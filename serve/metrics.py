@@ -56,8 +56,7 @@ class ServerMetrics:
     series carry a `tenant` label (empty without --api-keys-file); `live` keeps what /status shows."""
 
     def __init__(self, model_name: str, prefix: str = "jaxinfra") -> None:
-        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
-            raise ValueError(f"metrics prefix must be a Prometheus name (letters, digits, _), got {prefix!r}")
+        self.check_prefix(prefix)
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         per_request = ["model_name", "tenant"]
@@ -103,6 +102,11 @@ class ServerMetrics:
         self.live = LiveStats()
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
         self._requests: dict[str, _Tracked] = {}
+
+    @staticmethod
+    def check_prefix(prefix: str) -> None:
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
+            raise ValueError(f"metrics prefix must be a Prometheus name (letters, digits, _), got {prefix!r}")
 
     def start_request(self, request_id: str, prompt_tokens: int, params: SamplingParams, tenant: str = "") -> None:
         """An engine request was admitted: its prompt and parameters are counted under its tenant."""

@@ -17,7 +17,7 @@ from serve.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, Stru
 logger = logging.getLogger("jaxinfra.serve")
 
 # Known fields this server refuses with a 400 rather than ignore (ignoring them would change the answer).
-UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "audio", "prediction")
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction")
 
 
 class OpenAIError(Exception):
@@ -101,8 +101,8 @@ class _Common(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    tools: list[Any] | None = None  # chat: function tools (serve/http/tool_calls.py); completions: ignored
     # known, refused (see UNSUPPORTED)
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     suffix: str | None = None
@@ -240,16 +240,33 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
         content = self.content
         return "".join(part.text for part in content) if isinstance(content, list) else content or ""
 
     def as_template_dict(self) -> dict[str, Any]:
-        out = {"role": self.role, "content": self.text()}
+        """The message as chat templates read it; a call's arguments as an object (as vLLM passes them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name:
             out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except ValueError as e:
+            raise OpenAIError(400, f"a tool call's arguments are not JSON: {e}", param="messages") from e
+    return {**call, "function": function}
 
 
 class ChatCompletionRequest(_Common):
@@ -263,15 +280,14 @@ class ChatCompletionRequest(_Common):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # vLLM: prepend the last message's content when it is the assistant's
-    tool_choice: Any = None  # "none" and absent are what this server does; anything else needs tools
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None  # false: at most one call (tool_choice "required")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice not in (None, "none"):
-            raise OpenAIError(400, "tool calling is not supported by this server", param="tool_choice")
         if self.continue_final_message:
             raise OpenAIError(
                 400, "continue_final_message is not supported by this server", param="continue_final_message"

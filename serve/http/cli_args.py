@@ -19,6 +19,7 @@ import yaml
 
 from jaxinfra.yaml_config import load_config
 from serve.config import EngineArgs
+from serve.tool_parsers import TOOL_PARSERS
 
 ALIASES = {"quantization": ("-q",)}  # short forms vLLM also takes
 
@@ -101,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences allowed to wait beyond max-num-seqs; requests past that get 429",
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help='how tool_choice "auto" reads calls in the output: hermes (Qwen2.5/Qwen3) or llama3_json (Llama 3.x)',
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='serve tool_choice "auto" (needs --tool-call-parser)'
+    )
+    p.add_argument(
+        "--metrics-prefix",
+        default="jaxinfra",
+        help="the metric names' prefix on /metrics: 'vllm' gives vLLM's names, for its dashboards and alerts",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip compiling all batch shapes at start")
     p.add_argument(
         "--restart-engine",

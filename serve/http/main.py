@@ -13,14 +13,18 @@ from serve.async_engine import AsyncEngine
 from serve.http.app import build_app
 from serve.http.cli_args import build_parser, engine_args_from, name_flag
 from serve.http.drain import serve_draining
+from serve.metrics import ServerMetrics
 from serve.tenants import load_keys_file
+from serve.tool_parsers import ToolConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:
+        ServerMetrics.check_prefix(args.metrics_prefix)
         api_keys = load_keys_file(args.api_keys_file) if args.api_keys_file else None
         engine_args = engine_args_from(args)
+        tools = ToolConfig(args.tool_call_parser, args.enable_auto_tool_choice)
         engine = AsyncEngine(engine_args, warmup=not args.no_warmup, restart_on_failure=args.restart_engine)
     except (ValueError, RuntimeError) as e:
         print(f"jaxinfra serve: error: {name_flag(str(e))}", file=sys.stderr)
@@ -34,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         protect_metrics=args.protect_metrics,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
+        metrics=ServerMetrics(name, prefix=args.metrics_prefix),
     )
+    app.state.server.tools = tools
     base = f"http://{args.host}:{args.port}"
     keyed = args.api_key or api_keys
     auth = ' -H "Authorization: Bearer $KEY"' if keyed else ""  # keys are never printed

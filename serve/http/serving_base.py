@@ -44,9 +44,14 @@ class OpenAIServing(abc.ABC):
             raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
     def render_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The conversation as the model's chat template writes it (a 400 if it cannot)."""
+        """The conversation (and the function tools offered) as the model's chat template writes it
+        (a 400 if it cannot)."""
         tok = self.engine.tokenizer
         if tok is None or tok.chat_template is None:
             raise OpenAIError(400, "this model has no chat template", param="messages")
@@ -56,7 +61,10 @@ class OpenAIServing(abc.ABC):
             raise OpenAIError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
         try:
             return tok.apply_chat_template(
-                [m.as_template_dict() for m in messages], add_generation_prompt, **(template_kwargs or {})
+                [m.as_template_dict() for m in messages],
+                add_generation_prompt,
+                **({"tools": tools} if tools else {}),
+                **(template_kwargs or {}),
             )
         except Exception as e:  # a template's raise_exception(), or a malformed conversation
             raise OpenAIError(400, f"chat template error: {e}", param="messages") from e

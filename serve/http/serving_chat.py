@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from serve.http.generation import Generation
 from serve.http.serving_base import GenerationServing
+from serve.http.tool_calls import ChatGeneration, plan_tools
 from serve.openai_protocol import ChatCompletionRequest, OpenAIError
 from serve.outputs import CompletionOutput, RequestOutput
 
@@ -23,12 +24,13 @@ class ServingChat(GenerationServing):
         self.check_request(req)
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        tools = plan_tools(req, self.state.tools)
         ids = self.tokenize(
-            self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs),
+            self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools.template_tools),
             req.add_special_tokens,
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        gen = Generation(self.state, req, [ids], logprobs, req.requested_max_tokens())
+        gen = ChatGeneration(self.state, req, [ids], logprobs, req.requested_max_tokens(), tools=tools)
         return await self.respond(request, gen)
 
     def _logprobs(self, o: CompletionOutput, top: int) -> dict[str, Any]:
@@ -51,6 +53,7 @@ class ServingChat(GenerationServing):
         return last.text() if req.echo and last.role == "assistant" else ""
 
     def chunks(self, gen: Generation, i: int, out: RequestOutput) -> Iterator[dict[str, Any]]:
+        assert isinstance(gen, ChatGeneration)
         req = cast(ChatCompletionRequest, gen.req)
         base = self.envelope(gen, "chat.completion.chunk")
         for o in out.outputs:
@@ -68,13 +71,14 @@ class ServingChat(GenerationServing):
                     },
                 )
             lp = self._logprobs(o, req.top_logprobs or 0) if req.logprobs and o.token_ids else None
-            if not o.text and not o.finished() and lp is None:
+            delta, called = gen.delta(c, o.text, o.finished())
+            if not delta and not o.finished() and lp is None:
                 continue
             choice = {
                 "index": c,
-                "delta": {"content": o.text} if o.text else {},
+                "delta": delta,
                 "logprobs": lp,
-                "finish_reason": o.finish_reason,
+                "finish_reason": gen.finish_reason(o.finish_reason, called),
                 "stop_reason": o.stop_reason,
             }
             if req.return_token_ids:
@@ -85,13 +89,15 @@ class ServingChat(GenerationServing):
         if usage_only:
             return {**self.envelope(gen, "chat.completion.chunk"), "choices": [], "usage": gen.usage()}
         body: dict[str, Any] = {**self.envelope(gen, "chat.completion"), "choices": [], "usage": gen.usage()}
+        assert isinstance(gen, ChatGeneration)
         req = cast(ChatCompletionRequest, gen.req)
         out = gen.final[0]
         for o in out.outputs:
+            message = gen.message(self._echo(gen) + o.text)
             choice: dict[str, Any] = {
                 "index": o.index,
-                "message": {"role": "assistant", "content": self._echo(gen) + o.text},
-                "finish_reason": o.finish_reason,
+                "message": message,
+                "finish_reason": gen.finish_reason(o.finish_reason, "tool_calls" in message),
                 "stop_reason": o.stop_reason,
                 "logprobs": self._logprobs(o, req.top_logprobs or 0) if req.logprobs else None,
             }

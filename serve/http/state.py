@@ -9,6 +9,7 @@ from serve.auth import KeyRing
 from serve.http.drain import Drain
 from serve.metrics import ServerMetrics
 from serve.tenants import TenantQuotas
+from serve.tool_parsers import ToolConfig
 
 
 class ServerState:
@@ -32,6 +33,7 @@ class ServerState:
         self.capacity = engine.args.max_num_seqs + max_queue  # sequences (prompts x n) in flight
         self.request_timeout = request_timeout
         self.in_flight = 0
+        self.tools = ToolConfig()  # --tool-call-parser, --enable-auto-tool-choice
         self.created = int(time.time())
 
     def token_text(self, token: int) -> str:

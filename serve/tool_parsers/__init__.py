@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 from serve.tool_parsers.base import DeltaMessage, ParsedOutput, ToolCall, ToolCallDelta, ToolCallStream, ToolParser
+from serve.tool_parsers.config import ToolConfig
 from serve.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
-from serve.tool_parsers.hermes import HermesToolParser
-from serve.tool_parsers.llama3_json import Llama3JsonToolParser
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser registered as `name`; ValueError listing the known ones otherwise."""
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {name!r}")
-    return TOOL_PARSERS[name]()
-
+from serve.tool_parsers.registry import TOOL_PARSERS, get_tool_parser
 
 __all__ = [
     "TOOL_PARSERS",
@@ -26,6 +16,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolCallStream",
+    "ToolConfig",
     "ToolParser",
     "get_tool_parser",
     "required_schema",

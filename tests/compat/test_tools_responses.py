@@ -1,0 +1,219 @@
+"""Tool calling (and the Responses API) through real clients: the `openai` client with tools named,
+required and auto (hermes and llama3_json parsers, on Qwen-style and Llama-3-style chat templates that
+take tools), streamed tool-call deltas, tool results in the next turn; LangChain
+`with_structured_output(method="function_calling")` and `bind_tools`; instructor in Mode.TOOLS and
+Mode.JSON_SCHEMA. One server (a tiny random model) for the module; where a test needs the model to
+write a call in a parser's format, a regex constraint makes it write exactly that."""
+
+import contextlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Literal
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from serve_helpers import PRESET
+from server_helpers import MODEL_NAME, running_server
+
+import jaxinfra
+from serve.tool_parsers import ToolConfig
+
+TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
+
+
+class Weather(pydantic.BaseModel):
+    """Get the weather forecast for a city."""
+
+    city: Literal["Paris", "Rome"]
+    days: int = pydantic.Field(ge=1, le=9)
+
+
+PARAMS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tok_dir = tmp_path_factory.mktemp("qwen_tools_tokenizer")
+    jaxinfra.load_tokenizer(PRESET).save(tok_dir)
+    shutil.copy(TEMPLATES / "qwen_tools.jinja", tok_dir / "chat_template.jinja")
+    with running_server(
+        tokenizer=str(tok_dir), max_model_len=1024, max_num_batched_tokens=256, num_gpu_blocks_override=512
+    ) as (url, app):
+        app.state.server.tools = ToolConfig("hermes", enable_auto_tool_choice=True)
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="none", max_retries=0)
+
+
+@contextlib.contextmanager
+def llama3_server(app):
+    """The same server as if started with a Llama-3-style template and --tool-call-parser llama3_json."""
+    state, tok = app.state.server, app.state.server.engine.tokenizer
+    before = (state.tools, tok.chat_template)
+    state.tools, tok.chat_template = ToolConfig("llama3_json", True), (TEMPLATES / "llama3_tools.jinja").read_text()
+    try:
+        yield
+    finally:
+        state.tools, tok.chat_template = before
+
+
+def forced(text: str) -> dict:
+    """extra_body that makes the model write exactly `text`."""
+    return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+def test_named_tool_choice_returns_a_call_with_valid_arguments(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), {**PARAMS, "additionalProperties": False})
+
+
+def test_required_tool_choice_streams_one_call(client):
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+            call["arguments"] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0]["name"] in ("get_weather", "get_time")
+    assert isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+CALL_HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+CALL_LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_the_models_call(served, client, parser, stream):
+    text, args = (
+        (CALL_HERMES, {"city": "Paris", "days": 3}) if parser == "hermes" else (CALL_LLAMA, {"city": "Rome", "days": 2})
+    )
+    with llama3_server(served[1]) if parser == "llama3_json" else contextlib.nullcontext():
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="auto",
+            max_tokens=120,
+            stream=stream,
+            extra_body={**forced(text), "skip_special_tokens": False},
+        )
+        if stream:
+            name, arguments, content, finish = None, "", "", None
+            for chunk in r:
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for d in delta.tool_calls or []:
+                    name = name or d.function.name
+                    arguments += d.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+        else:
+            message, finish = r.choices[0].message, r.choices[0].finish_reason
+            content = message.content or ""
+            name, arguments = message.tool_calls[0].function.name, message.tool_calls[0].function.arguments
+    assert (name, json.loads(arguments), content, finish) == ("get_weather", args, "", "tool_calls")
+
+
+def test_tool_none_keeps_tools_in_the_prompt_and_parses_nothing(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=100,
+        extra_body={**forced(CALL_HERMES), "return_token_ids": True},
+    )
+    assert r.choices[0].message.content == CALL_HERMES and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_tool_results_reach_the_next_turn(client):
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+    }
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=TOOLS, max_tokens=4, extra_body={"return_token_ids": True}
+    )
+    prompt = jaxinfra.load_tokenizer(PRESET).decode(r.model_extra["prompt_token_ids"])
+    assert '"arguments": {"city": "Paris", "days": 3}' in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt and '"name": "get_time"' in prompt
+
+
+def test_bad_tool_requests_are_400s(served, client):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}
+        )
+    state = served[1].state.server
+    before, state.tools = state.tools, ToolConfig()
+    try:
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="auto")
+    finally:
+        state.tools = before
+
+
+def test_langchain_function_calling_and_bind_tools(served):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL_NAME, base_url=f"{served[0]}/v1", api_key="none", max_tokens=80, max_retries=0)
+    weather = llm.with_structured_output(Weather, method="function_calling").invoke("Weather in Rome?")
+    assert isinstance(weather, Weather)
+    message = llm.bind_tools([Weather], tool_choice="Weather").invoke("Weather in Rome?")
+    assert message.tool_calls[0]["name"] == "Weather"
+    Weather.model_validate(message.tool_calls[0]["args"])
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_returns_a_validated_object(client, mode):
+    import instructor
+
+    patched = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
+    weather = patched.chat.completions.create(
+        model=MODEL_NAME, response_model=Weather, messages=ASK, max_tokens=80, max_retries=1
+    )
+    assert isinstance(weather, Weather)

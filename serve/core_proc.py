@@ -33,6 +33,7 @@ from serve.core_types import (
     UtilityCall,
 )
 from serve.engine_core import EngineCore
+from serve.grammar_queue import GrammarQueue
 
 # glibc malloc settings for the core: XLA's CPU buffers are freed and allocated again every step;
 # served from one arena that is never trimmed, they stop costing page faults (2-3x on CPU steps).
@@ -43,6 +44,7 @@ ALLOCATOR_ENV = {
     "MALLOC_TOP_PAD_": str(2**26),
 }
 PARENT_CHECK_MS = 1000
+GRAMMAR_POLL_S = 0.01  # how long an otherwise idle core waits on compiling grammars between input checks
 HEARTBEAT_INTERVAL_S = 0.2
 
 
@@ -111,36 +113,48 @@ def run_engine_core(launch: CoreLaunch) -> None:
     inp.connect(launch.input_addr)
     out.connect(launch.output_addr)
     decoder, encoder = msgspec.msgpack.Decoder(CoreInput), msgspec.msgpack.Encoder()
+    grammars = GrammarQueue(core)
+
+    def take(msg: EngineCoreRequest | AbortRequests | UtilityCall, reply: EngineCoreOutputs) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                if msg.params.structured_outputs is not None:
+                    grammars.add(msg)  # joins the core once its grammar has compiled
+                else:
+                    core.add_request(msg)
+            except ValueError as e:
+                reply.rejected.append((msg.request_id, str(e)))
+        elif isinstance(msg, AbortRequests):
+            grammars.abort(msg.request_ids)
+            core.abort_requests(msg.request_ids, msg.sequences)
+        else:
+            try:
+                result = EngineCoreOutputs(utility=(msg.call_id, None, core.utility(msg.method, msg.args)))
+            except Exception as e:  # an AssertionError from an invariant check, say
+                result = EngineCoreOutputs(utility=(msg.call_id, f"{type(e).__name__}: {e}", None))
+            out.send(encoder.encode(result))
+
     try:
         while True:
-            if not core.has_work() and not inp.poll(PARENT_CHECK_MS):
+            idle = not core.has_work()
+            if idle and grammars:
+                grammars.wait(GRAMMAR_POLL_S)
+            elif idle and not inp.poll(PARENT_CHECK_MS):
                 if os.getppid() != parent:
                     return  # orphaned: the frontend is gone
                 continue
-            reply = EngineCoreOutputs()
+            reply = EngineCoreOutputs(rejected=grammars.admit())
+            arrived = False
             while inp.poll(0):
-                msg = decoder.decode(inp.recv())
-                if isinstance(msg, EngineCoreRequest):
-                    try:
-                        core.add_request(msg)
-                    except ValueError as e:
-                        reply.rejected.append((msg.request_id, str(e)))
-                elif isinstance(msg, AbortRequests):
-                    core.abort_requests(msg.request_ids, msg.sequences)
-                elif isinstance(msg, UtilityCall):
-                    try:
-                        out.send(
-                            encoder.encode(
-                                EngineCoreOutputs(utility=(msg.call_id, None, core.utility(msg.method, msg.args)))
-                            )
-                        )
-                    except Exception as e:  # an AssertionError from an invariant check, say
-                        out.send(
-                            encoder.encode(EngineCoreOutputs(utility=(msg.call_id, f"{type(e).__name__}: {e}", None)))
-                        )
+                take(decoder.decode(inp.recv()), reply)
+                arrived = True
             if core.has_work():
                 reply.outputs = core.step()
+                reply.rejected += grammars.failed(reply.outputs)
+            elif idle and not arrived and not reply.rejected:
+                continue  # a grammar is still compiling, nothing else happened
             reply.stats = core.stats()
+            reply.stats.num_waiting += len(grammars)
             out.send(encoder.encode(reply))
     except Exception:
         traceback.print_exc(file=sys.stderr)

@@ -29,7 +29,7 @@ from serve.runner import InFlight, LogprobArrays, ModelRunner, num_blocks_for_me
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.scheduler import Scheduler, SchedulerOutput
 from serve.sequence import Sequence, Status
-from serve.structured_output import GrammarCompiler
+from serve.structured_output import GrammarCompiler, Matcher
 
 DEFAULT_CPU_KV_MEMORY = 256 * 2**20
 
@@ -132,8 +132,10 @@ class EngineCore:
         return kv_cache_blocks(model.cfg, args)
 
     # --- requests ---------------------------------------------------------------------------------
-    def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a tokenized request; anything that cannot run is refused here (ValueError)."""
+    def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:
+        """Queue a tokenized request; anything that cannot run is refused here (ValueError).
+        `matchers`: its structured output's, one per sequence, when made beforehand off the step
+        path (the core process's serve.grammar_queue); made here if None."""
         ids = req.prompt_token_ids
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
@@ -153,9 +155,10 @@ class EngineCore:
             for i in range(p.n)
         ]
         if p.structured_outputs is not None:
-            grammar = self._grammar()
-            for seq in seqs:
-                seq.matcher = grammar.matcher(p.structured_outputs)
+            if matchers is None:
+                matchers = [self.grammar().matcher(p.structured_outputs) for _ in seqs]
+            for seq, matcher in zip(seqs, matchers):
+                seq.matcher = matcher
         self.requests[req.request_id] = CoreRequest(req, seqs, seqs[1:])
         self.scheduler.add(seqs[0])
 
@@ -177,7 +180,7 @@ class EngineCore:
             if req.finished:
                 del self.requests[rid]
 
-    def _grammar(self) -> GrammarCompiler:
+    def grammar(self) -> GrammarCompiler:
         """The structured-output compiler, built with the first request that needs it."""
         if self.runner.grammar is None:
             tok = self.tokenizer or load_tokenizer(self.args.tokenizer or self.args.model)

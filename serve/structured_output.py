@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -70,19 +71,42 @@ def grammar_of(so: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(so.grammar)
 
 
+Matcher = llguidance.LLMatcher
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def failure(matcher: Matcher) -> str:
+    """Why a matcher in its error state failed, in one line, as a request's error."""
+    return f"structured_outputs: the grammar failed: {matcher.get_error().splitlines()[0]}"
+
+
+# llguidance's work budgets (its defaults, stated; fuel is work, ~14-50k per ms): the lexer's
+# initial fuel bounds building a grammar's lexer, step fuel and Earley items bound each token mask
+# (~15 ms), past which the matcher fails instead of running on; errors stay one line.
+PARSER_LIMITS = {
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "verbose_errors": False,
+}
+COMPILE_WORKERS = 2
+
+
 class GrammarCompiler:
     """Grammars and matchers over one tokenizer, for a model whose vocabulary has `vocab_size` ids
-    (ids the tokenizer does not know are never allowed)."""
+    (ids the tokenizer does not know are never allowed). `compile` builds matchers on worker threads
+    (llguidance drops the GIL), so a costly grammar never holds up the step loop."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.vocab_size = vocab_size
         eos = list(eos_token_ids or tokenizer.eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=eos or None)
         self.executor = llguidance.LLExecutor()
+        self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        self.workers = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
 
     def validate(self, so: StructuredOutputsParams) -> str:
         """The grammar of a constraint; ValueError naming the field if it is not a valid one."""
@@ -90,19 +114,39 @@ class GrammarCompiler:
             grammar = grammar_of(so)
         except (ValueError, TypeError) as e:  # an unparsable JSON schema string, a bad schema
             raise ValueError(f"structured_outputs: {e}") from e
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
         if error:
             raise ValueError(f"structured_outputs: {error}")
         return grammar
 
-    def matcher(self, so: StructuredOutputsParams) -> llguidance.LLMatcher:
+    def matcher(self, so: StructuredOutputsParams) -> Matcher:
         """A fresh matcher at the start of the output."""
-        m = llguidance.LLMatcher(self.tokenizer, grammar_of(so), log_level=0)
+        m = llguidance.LLMatcher(self.tokenizer, grammar_of(so), log_level=0, limits=self.limits)
         if m.is_error():
             raise ValueError(f"structured_outputs: {m.get_error()}")
         return m
 
-    def fill(self, matchers: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
+    def compile(self, so: StructuredOutputsParams, n: int) -> Future[list[Matcher]]:
+        """`n` matchers for a constraint, made on a worker thread (see _compiled)."""
+        return self.workers.submit(self._compiled, so, n)
+
+    def _compiled(self, so: StructuredOutputsParams, n: int) -> list[Matcher]:
+        """`n` matchers at the start of the output whose lexer has done its lazy first work: the first
+        token mask, and the mask after one allowed token (a pathological grammar spends its budget
+        there, and fails here rather than in the step). ValueError with llguidance's reason if it fails."""
+        m = self.matcher(so)
+        mask = np.zeros((1, bitmask_words(self.vocab_size)), np.int32)
+        llnp.fill_next_token_bitmask(m, mask, 0)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        probe = m.deep_copy()
+        if len(allowed) and probe.consume_token(int(allowed[0])):
+            llnp.fill_next_token_bitmask(probe, mask, 0)
+        for matcher in (m, probe):
+            if matcher.is_error():
+                raise ValueError(failure(matcher))
+        return [m, *(m.deep_copy() for _ in range(n - 1))]
+
+    def fill(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed next tokens into row `index` of `bitmask` [S, words]."""
         if matchers:
             llnp.fill_next_token_bitmask_par(self.executor, matchers, bitmask)

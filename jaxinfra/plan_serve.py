@@ -200,6 +200,8 @@ def plan(
     tp = args.tensor_parallel_size
     if cfg.num_kv_heads % tp:
         raise ValueError(f"num_kv_heads ({cfg.num_kv_heads}) must be divisible by tensor_parallel_size ({tp})")
+    if args.quantization and weights is None and cfg.num_experts:
+        raise ValueError(f"quantization {args.quantization} rounds dense MLPs, not {cfg.model_type}'s experts")
     weights = weight_bytes(cfg, args.quantization) if weights is None else weights
     num_blocks = kv_cache_blocks(cfg, args, device.bytes_limit, weights)
     notes = []

@@ -151,3 +151,11 @@ def test_workspace_estimate_near_xla_memory_analysis() -> None:
     stats = jax.jit(lambda s, x: nnx.merge(graph, s)(x)).lower(state, ids).compile().memory_analysis()
     compiled = stats.temp_size_in_bytes + stats.output_size_in_bytes
     assert 0.75 < step_workspace_bytes(cfg, tokens, seqs=tokens) / compiled < 1.25
+
+
+def test_moe_model_plans_dense_weights_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["plan-serve", "--model", "tiny-mixtral", "--kv-cache-memory", "8MB", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["plan"]["weight_bytes_total"] == weight_bytes(load_config("tiny-mixtral")) > 0
+    refused = [v for v in body["variants"] if isinstance(v, str)]
+    assert len(refused) == 6 and all("experts" in v for v in refused)  # int8/int4 weights x three KV dtypes

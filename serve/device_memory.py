@@ -41,7 +41,7 @@ def memory_breakdown(weights: Any, kv_cache: Any) -> dict[str, Any]:
         key = str(device)
         stats = device.memory_stats() if device.platform != "cpu" else None
         in_use = int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
-        entry = {"device": key, "weights": w.get(key, 0), "kv_pool": kv.get(key, 0), "in_use": in_use}
+        entry: dict[str, Any] = {"device": key, "weights": w.get(key, 0), "kv_pool": kv.get(key, 0), "in_use": in_use}
         entry["other"] = None if in_use is None else max(in_use - entry["weights"] - entry["kv_pool"], 0)
         devices.append(entry)
     rss = process_rss_bytes()

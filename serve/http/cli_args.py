@@ -117,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the metric names' prefix on /metrics: 'vllm' gives vLLM's names, for its dashboards and alerts",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip compiling all batch shapes at start")
+    p.add_argument("--ray", action="store_true", help="serve --replicas engines on Ray Serve with prefix-aware routing")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas")
+    p.add_argument(
+        "--ray-address", default=None, help="with --ray: the cluster to join (default: $RAY_ADDRESS, else a local one)"
+    )
+    p.add_argument(
+        "--ray-gpus-per-replica",
+        type=float,
+        default=0.0,
+        help="with --ray: GPUs each replica reserves (a fraction lets small models share a card)",
+    )
     p.add_argument(
         "--restart-engine",
         action="store_true",

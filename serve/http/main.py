@@ -25,21 +25,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_keys = load_keys_file(args.api_keys_file) if args.api_keys_file else None
         engine_args = engine_args_from(args)
         tools = ToolConfig(args.tool_call_parser, args.enable_auto_tool_choice)
-        engine = AsyncEngine(engine_args, warmup=not args.no_warmup, restart_on_failure=args.restart_engine)
+        if args.replicas < 1 or (args.replicas > 1 and not args.ray):
+            raise ValueError(f"--replicas must be 1, or at least 1 with --ray, got {args.replicas}")
+        engine = (
+            None
+            if args.ray
+            else AsyncEngine(engine_args, warmup=not args.no_warmup, restart_on_failure=args.restart_engine)
+        )
     except (ValueError, RuntimeError) as e:
         print(f"jaxinfra serve: error: {name_flag(str(e))}", file=sys.stderr)
         return 2
     name = args.served_model_name or (DEFAULT_MODEL_NAME if engine_args.model == DEFAULT_MODEL else engine_args.model)
-    app = build_app(
-        engine,
+    server_kwargs = dict(
         model_name=name,
         api_key=args.api_key,
         api_keys=api_keys,
         protect_metrics=args.protect_metrics,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
-        metrics=ServerMetrics(name, prefix=args.metrics_prefix),
     )
+    if engine is None:
+        from serve.ray_app import run
+
+        run(
+            engine_args,
+            args.replicas,
+            server_kwargs,
+            host=args.host,
+            port=args.port,
+            address=args.ray_address,
+            warmup=not args.no_warmup,
+            gpus_per_replica=args.ray_gpus_per_replica,
+        )
+        return 0
+    app = build_app(engine, **server_kwargs, metrics=ServerMetrics(name, prefix=args.metrics_prefix))
     app.state.server.tools = tools
     base = f"http://{args.host}:{args.port}"
     keyed = args.api_key or api_keys

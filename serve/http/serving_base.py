@@ -129,9 +129,9 @@ class GenerationServing(OpenAIServing):
             async for i, out in merged:
                 gen.record(i, out)
 
-        async def watch_disconnect() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.2)
+        async def watch_disconnect() -> None:  # vLLM's listen_for_disconnect: the body is read, so
+            while (await request.receive())["type"] != "http.disconnect":  # the next message is the end
+                pass
 
         worker, watcher = asyncio.create_task(collect()), asyncio.create_task(watch_disconnect())
         try:
@@ -151,7 +151,9 @@ class GenerationServing(OpenAIServing):
                 raise bad_request(e) from e
             return JSONResponse(self.final(gen, False))
         finally:
-            watcher.cancel()
+            for task in (worker, watcher):
+                task.cancel()
+            await asyncio.gather(worker, watcher, return_exceptions=True)  # let the worker leave merged
             await merged.aclose()
             self.finish(gen)
 

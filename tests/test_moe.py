@@ -12,7 +12,9 @@ from hf_oracle import MOE_FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf
 import jaxinfra
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import moe
+from jaxinfra.train import OptimConfig, TrainConfig, Trainer
 from serve import EngineArgs, LLMEngine, SamplingParams
+from sharding import MeshConfig, get_rules, make_mesh
 
 LOGIT_TOL = 1e-4  # float32 max abs, as for the dense families
 
@@ -104,3 +106,35 @@ def test_router_stats_and_capacity_in_the_forward():
     assert np.abs(np.asarray(dropped) - np.asarray(dropless)).max() > 1e-3
     with pytest.raises(ValueError, match="capacity_factor"), moe.capacity_factor(0.0):
         pass
+
+
+def _train_step(scan_layers: bool, remat: str) -> tuple[dict, tuple]:
+    """One step's metrics, and the objective and its parts at the initial weights."""
+    trainer = Trainer(
+        jaxinfra.load_model("tiny-qwen3-moe"),
+        make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]),
+        get_rules("dp"),
+        TrainConfig(OptimConfig(), compute_dtype="float32", scan_layers=scan_layers, remat=remat, microbatches=2),
+    )
+    ids = np.random.default_rng(0).integers(0, 512, (4, 17))
+    batch = trainer.shard_batch(dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((4, 16), np.int32)))
+    state = trainer.init_state()
+    objective = jax.device_get(jax.jit(trainer._loss)(state.params, batch))
+    _, metrics = trainer.step(state, batch)
+    return jax.device_get(metrics), objective
+
+
+@pytest.mark.slow
+def test_training_records_router_losses_and_expert_load():
+    scanned, (objective, parts) = _train_step(True, "none")
+    looped, _ = _train_step(False, "full")  # stats leave remat'd, unscanned layers too
+    assert scanned["expert_tokens"].shape == (2, 8)  # [MoE layers, experts]
+    assert scanned["expert_tokens"].sum() == 2 * 64 * 2  # layers x tokens x top-k
+    np.testing.assert_array_equal(scanned["expert_tokens"], looped["expert_tokens"])
+    for key in ("loss", "moe_aux_loss", "moe_z_loss", "expert_imbalance"):
+        np.testing.assert_allclose(scanned[key], looped[key], rtol=1e-5)
+    assert scanned["moe_aux_loss"] >= 1.0 - 1e-5 and scanned["expert_imbalance"] >= 1.0
+    # the objective the gradients come from: cross-entropy + the weighted router losses
+    penalty = 0.01 * parts["moe_aux_loss"] + 0.001 * parts["moe_z_loss"]
+    np.testing.assert_allclose(float(objective), float(parts["ce"] + penalty), rtol=1e-6)
+    assert float(penalty) > 1e-3 * float(parts["ce"])

@@ -182,3 +182,20 @@ class MoE(nnx.Module):
             gate = jax.nn.sigmoid(jnp.einsum("bte,e->bt", h, self.shared_gate[...].astype(h.dtype)))
             out = out + gate[..., None] * self.shared(h)
         return constrain(out, ("batch", "length", "embed"))
+
+
+def summarize(stats: list[RouterStats]) -> RouterStats | None:
+    """Recorded stats (per layer, or layers stacked by a scan) -> one RouterStats over the model:
+    aux and z losses averaged over MoE layers, counts [moe layers, experts]; None without MoE layers."""
+    if not stats:
+        return None
+    aux = jnp.concatenate([jnp.atleast_1d(s.aux_loss) for s in stats])
+    z = jnp.concatenate([jnp.atleast_1d(s.z_loss) for s in stats])
+    counts = jnp.concatenate([s.counts.reshape(-1, s.counts.shape[-1]) for s in stats])
+    return RouterStats(jnp.mean(aux), jnp.mean(z), counts)
+
+
+def imbalance(counts: Int[Array, "*L X"]) -> jax.Array:
+    """Expert load imbalance: max / mean tokens per expert, averaged over layers (1 = perfectly even)."""
+    c = counts.reshape(-1, counts.shape[-1]).astype(jnp.float32)
+    return jnp.mean(jnp.max(c, axis=-1) / jnp.maximum(jnp.mean(c, axis=-1), 1e-9))

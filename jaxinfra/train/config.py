@@ -36,6 +36,9 @@ class RunConfig:
     pipeline_repeats: int = 2  # circular: chunks of layers per stage
     compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
     grad_reduce_dtype: str = "float32"  # float32 | compute: dtype weight gradients are summed across devices in
+    router_aux_loss_coef: float = 0.01  # MoE models: load-balancing loss weight
+    router_z_loss_coef: float = 0.001  # MoE models: router z-loss weight
+    capacity_factor: float | None = None  # MoE models: per-expert capacity (drops overflow); null: dropless
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval_every: int = 100
     eval_batches: int = 8  # global batches of the held-out split per evaluation
@@ -68,6 +71,9 @@ class RunConfig:
             self.pipeline_schedule,
             self.pipeline_repeats,
             self.grad_reduce_dtype,
+            self.router_aux_loss_coef,
+            self.router_z_loss_coef,
+            self.capacity_factor,
         )
 
 

@@ -31,13 +31,17 @@ class MetricsLogger:
             total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress, dynamic_ncols=True
         )
 
-    def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
+    def log(self, step: int, split: str, metrics: dict[str, float | list[float]]) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")
         self.file.flush()
         for k, v in metrics.items():
-            self.tb.add_scalar(f"{split}/{k}", v, step)
+            if isinstance(v, list):  # per-expert loads: one scalar each
+                for i, x in enumerate(v):
+                    self.tb.add_scalar(f"{split}/{k}/{i}", x, step)
+            else:
+                self.tb.add_scalar(f"{split}/{k}", v, step)
         self.bar.set_postfix({f"{split}_loss": f"{metrics['loss']:.4f}"}, refresh=False)
 
     def advance(self, steps: int = 1) -> None:

@@ -185,6 +185,14 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
                 "state_gib": state_gib,
                 **device_memory_gib(),
             }
+            if "expert_tokens" in fetched[-1]:  # MoE: router losses and per-expert load over the window
+                load = np.sum([m["expert_tokens"] for m in fetched], axis=0)
+                record.update(
+                    moe_aux_loss=float(np.mean([m["moe_aux_loss"] for m in fetched])),
+                    moe_z_loss=float(np.mean([m["moe_z_loss"] for m in fetched])),
+                    expert_imbalance=float(np.mean([m["expert_imbalance"] for m in fetched])),
+                    expert_tokens=load.sum(axis=0).tolist(),  # summed over MoE layers and the window
+                )
             if peak:
                 record["mfu"] = flops * tokens / seconds / (peak * 1e12 * jax.device_count())
             logger.log(done, "train", record)

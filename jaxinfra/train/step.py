@@ -20,7 +20,7 @@ import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfra.models import LlamaModel
+from jaxinfra.models import LlamaModel, moe
 from jaxinfra.models.llama import (
     REMAT_POLICIES,
     LayerStack,
@@ -67,8 +67,19 @@ class TrainConfig:
     # leave their matmuls, and cross the devices, in float32; compute: weights cast to compute_dtype
     # first, gradients reduced in it (half the bytes on the wire)
     grad_reduce_dtype: str = "float32"
+    # mixture of experts (no effect on dense models): loss = CE + aux_coef * load-balancing loss +
+    # z_coef * router z-loss (each averaged over MoE layers); capacity_factor drops copies past
+    # ceil(factor * copies / experts) per expert and batch (None: dropless)
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"TrainConfig.capacity_factor must be > 0 or null, got {self.capacity_factor}")
         if self.grad_reduce_dtype not in ("float32", "compute"):
             raise ValueError(
                 f"TrainConfig.grad_reduce_dtype must be float32 or compute, got {self.grad_reduce_dtype!r}"
@@ -246,7 +257,22 @@ class Trainer:
             for k, v in rows.items()
         }
 
-    def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The summed objective (cross-entropy, plus the router losses of MoE models scaled by the
+        target count) and its parts: count, ce (summed), and for MoE the router's statistics."""
+        with moe.record_router_stats() as recorded, moe.capacity_factor(self.cfg.capacity_factor):
+            ce, count = self._ce(params, batch)
+        parts = {"count": count, "ce": ce}
+        router = moe.summarize(recorded)
+        if router is None:
+            return ce, parts
+        penalty = self.cfg.router_aux_loss_coef * router.aux_loss + self.cfg.router_z_loss_coef * router.z_loss
+        parts.update(
+            moe_aux_loss=router.aux_loss * count, moe_z_loss=router.z_loss * count, expert_tokens=router.counts
+        )
+        return ce + count * penalty, parts
+
+    def _ce(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         compute = jnp.dtype(self.cfg.compute_dtype)
         masters = self.cfg.grad_reduce_dtype == "float32" and compute != jnp.float32
         if not masters:
@@ -261,35 +287,41 @@ class Trainer:
         # one input-gradient reduction for Q/K/V and one for gate/up under TP
         with fused_projections(), zigzag_tokens() if zigzag else contextlib.nullcontext():
             if self.pipeline is not None and stack is not None:
+                if model.cfg.num_experts:
+                    raise ValueError("pipeline parallelism does not run mixture-of-experts models")
                 return pipeline_lm_loss(model, batch, stack, self.pipeline)
             return lm_loss(model, batch, stack)
 
-    def loss_and_grads(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params, jax.Array]:
-        """Mean loss and gradients over the batch, accumulated over `microbatches` (traced in the step)."""
+    def loss_and_grads(
+        self, params: Params, batch: dict[str, jax.Array]
+    ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
+        """Mean cross-entropy and gradients (of the whole objective) over the batch, accumulated over
+        `microbatches` (traced in the step), and the objective's parts summed (see _loss)."""
         micro = self.cfg.microbatches
         rows, length = next(iter(batch.values())).shape[:2]
         self.check_batch(rows, length)
-        if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
-            (loss_sum, count), grads = jax.value_and_grad(self._loss, has_aux=True)(params, batch)
-            return self._mean(loss_sum, grads, count)
-        split = jax.tree.map(lambda x: split_microbatches(x, micro), batch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
+            (_, parts), grads = grad_fn(params, batch)
+            return self._mean(parts, grads)
+        split = jax.tree.map(lambda x: split_microbatches(x, micro), batch)
 
         def accumulate(carry, mb):
-            grads, loss_sum, count = carry
-            (loss, n), g = grad_fn(params, mb)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
+            grads, parts = carry
+            (_, p), g = grad_fn(params, mb)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, parts, p)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, split)
-        return self._mean(loss_sum, grads, count)
+        shapes = jax.eval_shape(self._loss, params, jax.tree.map(lambda x: x[0], split))[1]
+        init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        (grads, parts), _ = jax.lax.scan(accumulate, init, split)
+        return self._mean(parts, grads)
 
-    def _mean(self, loss_sum: jax.Array, grads: Params, count: jax.Array) -> tuple[jax.Array, Params, jax.Array]:
+    def _mean(self, parts: dict[str, jax.Array], grads: Params) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
         """Summed loss and gradients -> per-target means, gradients in their (ZeRO) layout."""
-        count = jnp.maximum(count, 1.0)
+        count = jnp.maximum(parts["count"], 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
-        return loss_sum / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), count
+        return parts["ce"] / count, jax.lax.with_sharding_constraint(grads, self.grad_shardings), parts
 
     def check_batch(self, rows: int, length: int | None = None) -> None:
         """Batch rows must split into `microbatches` equal parts, each spread evenly over the devices
@@ -310,15 +342,25 @@ class Trainer:
 
     def _step_impl(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         with logical_rules(self.mesh, self.rules.activations):
-            loss, grads, count = self.loss_and_grads(state.params, batch)  # ZeRO-2/3: grads reduce-scattered
+            loss, grads, parts = self.loss_and_grads(state.params, batch)  # ZeRO-2/3: grads reduce-scattered
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+        count = parts["count"]
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
+        if "expert_tokens" in parts:  # per-expert load for the logs: tokens per expert per MoE layer
+            n = jnp.maximum(count, 1.0)
+            metrics.update(
+                moe_aux_loss=parts["moe_aux_loss"] / n,
+                moe_z_loss=parts["moe_z_loss"] / n,
+                expert_tokens=parts["expert_tokens"],
+                expert_imbalance=moe.imbalance(parts["expert_tokens"]),
+            )
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _eval_impl(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         with logical_rules(self.mesh, self.rules.activations):
-            return self._loss(params, batch)
+            _, parts = self._loss(params, batch)
+        return parts["ce"], parts["count"]
 
     def gradients(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[jax.Array, Params]:
         """Loss and gradients at `state` without updating (for checks)."""

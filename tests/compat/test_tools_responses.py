@@ -217,3 +217,70 @@ def test_instructor_returns_a_validated_object(client, mode):
         model=MODEL_NAME, response_model=Weather, messages=ASK, max_tokens=80, max_retries=1
     )
     assert isinstance(weather, Weather)
+
+
+def test_responses_plain_then_previous_response_id(served, client):
+    first = client.responses.create(
+        model=MODEL_NAME, input="Who begat Enos?", instructions="Answer briefly.", max_output_tokens=6, temperature=0
+    )
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    assert first.output[0].type == "message" and first.usage.output_tokens == 6 and first.usage.input_tokens > 0
+    second = client.responses.create(
+        model=MODEL_NAME, input="And then?", previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
+    prompt_with_history = second.usage.input_tokens
+    alone = client.responses.create(model=MODEL_NAME, input="And then?", max_output_tokens=4, temperature=0)
+    assert prompt_with_history > alone.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL_NAME, input="x", previous_response_id="resp_unknown")
+
+
+def test_responses_stream_matches_the_whole_answer(client):
+    kwargs = dict(model=MODEL_NAME, input="In the beginning", max_output_tokens=8, temperature=0)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_json_schema_and_function_tools(client):
+    fmt = {"type": "json_schema", "name": "weather", "schema": PARAMS}
+    r = client.responses.create(model=MODEL_NAME, input="Weather?", text={"format": fmt}, max_output_tokens=60)
+    jsonschema.validate(json.loads(r.output_text), {**PARAMS, "additionalProperties": False})
+    tool = {"type": "function", "name": "get_weather", "parameters": PARAMS}
+    r = client.responses.create(
+        model=MODEL_NAME,
+        input="Weather?",
+        tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=60,
+    )
+    call = r.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    follow = client.responses.create(
+        model=MODEL_NAME,
+        previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=[tool],
+        max_output_tokens=3,
+    )
+    assert follow.status in ("completed", "incomplete")
+
+
+def test_litellm_responses(served, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list
+    import litellm
+
+    r = litellm.responses(
+        model=f"openai/{MODEL_NAME}",
+        input="And God said",
+        max_output_tokens=5,
+        api_base=f"{served[0]}/v1",
+        api_key="none",
+    )
+    assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens > 0

@@ -14,11 +14,16 @@ limit when `length_penalty` > 0.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from serve.outputs import CompletionOutput, RequestOutput
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from serve.async_engine import AsyncEngine
 
 EarlyStopping = bool | Literal["never"]
 
@@ -70,6 +75,20 @@ class BeamSearchOutput:
 
     prompt_token_ids: list[int]
     sequences: list[BeamSearchSequence]
+
+    def to_request_output(self, request_id: str, prompt: str | None, n: int) -> RequestOutput:
+        """The `n` best hypotheses as a finished RequestOutput (what a `use_beam_search` request answers)."""
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[
+                CompletionOutput(i, s.text or "", s.tokens, s.cum_logprob, None, "stop" if s.finished else "length")
+                for i, s in enumerate(self.sequences[:n])
+            ],
+            finished=True,
+        )
 
 
 class BeamSearch:
@@ -136,3 +155,25 @@ class BeamSearch:
 def step_params(search: BeamSearch) -> SamplingParams:
     """The one-token request each beam sends per step: greedy, with the top logprobs beam search needs."""
     return SamplingParams(temperature=0.0, max_tokens=1, logprobs=search.keep, ignore_eos=True)
+
+
+async def beam_search_async(
+    engine: AsyncEngine, request_id: str, prompt: list[int], params: BeamSearchParams
+) -> BeamSearchOutput:
+    """One prompt's beam search over the server's engine: each step's beams run as concurrent requests."""
+
+    async def last(rid: str, tokens: list[int], p: SamplingParams) -> RequestOutput:
+        outs = [out async for out in await engine.add_request(rid, tokens, p)]
+        return outs[-1]
+
+    search = BeamSearch(prompt, params, engine.core.info.eos_token_ids)
+    step = 0
+    while not search.done:
+        pending = search.pending()
+        outs = await asyncio.gather(
+            *(last(f"{request_id}-beam{step}-{k}", seq, step_params(search)) for k, seq in enumerate(pending))
+        )
+        search.advance([(o.outputs[0].logprobs or [{}])[0] for o in outs])
+        step += 1
+    tok = engine.tokenizer
+    return search.output(tok.decode if tok else None)

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from serve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, step_params
 from serve.config import EngineArgs
 from serve.engine import LLMEngine
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import RequestOutput
 from serve.prompt_inputs import Prompt, PromptLike, parse_prompts
 from serve.sampling_params import SamplingParams
 
@@ -80,17 +80,7 @@ class LLM:
     def _beam_request(self, prompt: Prompt, p: SamplingParams) -> RequestOutput:
         """A `use_beam_search` request answered as a RequestOutput with its `n` best beams."""
         out = self.beam_search(prompt, BeamSearchParams.from_sampling_params(p))[0]
-        return RequestOutput(
-            request_id=f"offline-{next(self._ids)}",
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=out.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=[
-                CompletionOutput(i, s.text or "", s.tokens, s.cum_logprob, None, "stop" if s.finished else "length")
-                for i, s in enumerate(out.sequences[: p.n])
-            ],
-            finished=True,
-        )
+        return out.to_request_output(f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, p.n)
 
     def chat(
         self,

@@ -101,6 +101,9 @@ class _Common(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    use_beam_search: bool = False  # best_of (or n) beams; the n best are the choices (not streamed)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     tools: list[Any] | None = None  # chat: function tools (serve/http/tool_calls.py); completions: ignored
     # known, refused (see UNSUPPORTED)
     functions: list[Any] | None = None
@@ -127,7 +130,9 @@ class _Common(_Lenient):
                 raise OpenAIError(400, f"'{name}' is not supported by this server", param=name)
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.use_beam_search and self.stream:
+            raise OpenAIError(400, "use_beam_search answers are not streamed", param="stream")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
             raise OpenAIError(
                 400,
                 f"best_of ({self.best_of}) must equal n ({self.n}): ranking extra samples is not supported "
@@ -195,6 +200,10 @@ class _Common(_Lenient):
             output_kind=output_kind,
             structured_outputs=self.structured(),
             logit_bias=self.token_bias(),
+            use_beam_search=self.use_beam_search,
+            best_of=self.best_of if self.use_beam_search else None,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
         )
 
     def token_bias(self) -> dict[int, float] | None:

@@ -14,11 +14,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.core_client import EngineDeadError
+from serve.http.beam import respond_beam_search
 from serve.http.errors import bad_request, dead, error_response
 from serve.http.generation import Generation
 from serve.http.state import ServerState
 from serve.openai_protocol import ChatMessage, OpenAIError, _Common
 from serve.outputs import CompletionOutput, Logprobs, RequestOutput
+from serve.prompt_bound import surely_too_long
 from serve.tenants import QuotaExceeded
 
 
@@ -91,6 +93,15 @@ class GenerationServing(OpenAIServing):
             )
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """A prompt's token ids (a 400 if it is bad, or its length alone shows it cannot fit)."""
+        limit = self.engine.max_model_len
+        if isinstance(prompt, str) and surely_too_long(self.engine.tokenizer, prompt, limit):
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{len(prompt)} characters, more than {limit} tokens of this tokenizer can hold.",
+                param="prompt",
+            )
         try:
             return self.engine.input_processor.tokenize(prompt, add_special_tokens)
         except ValueError as e:
@@ -103,7 +114,17 @@ class GenerationServing(OpenAIServing):
     async def respond(self, request: Request, gen: Generation) -> Response:
         """Admit `gen` (a 429 past capacity, or past its tenant's quota with Retry-After), start it,
         and answer with its body or its SSE stream."""
+        if gen.params[0].use_beam_search:
+            return await respond_beam_search(self, gen)
         state = self.state
+        per_prompt = max(gen.req.n, gen.req.best_of or 1)
+        if per_prompt > self.engine.args.max_num_seqs or gen.num_seqs > state.capacity:
+            raise OpenAIError(
+                400,
+                f"This request needs {gen.num_seqs} sequences ({per_prompt} per prompt); the server runs at most "
+                f"{self.engine.args.max_num_seqs} at once and admits {state.capacity}, so it can never run.",
+                param="n",
+            )
         if state.in_flight + gen.num_seqs > state.capacity:
             raise OpenAIError(
                 429, "The server is overloaded: too many sequences in flight. Retry later.", type_="rate_limit_error"

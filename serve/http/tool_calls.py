@@ -55,7 +55,8 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
     if not tools:
         raise OpenAIError(400, "tool_choice needs tools", param="tool_choice")
     if choice != "auto" and req.structured() is not None:
-        raise OpenAIError(400, f"tool_choice {choice!r} cannot be combined with an output constraint", param="tool_choice")
+        why = f"tool_choice {choice!r} cannot be combined with an output constraint"
+        raise OpenAIError(400, why, param="tool_choice")
     if choice == "auto":
         if not config.enable_auto_tool_choice or config.parser is None:
             raise OpenAIError(

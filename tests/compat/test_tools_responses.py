@@ -284,3 +284,27 @@ def test_litellm_responses(served, monkeypatch):
     )
     assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens > 0
+
+
+def test_beam_search_over_http_equals_the_offline_api(served, client):
+    """use_beam_search on /v1/completions gives the offline LLM.beam_search's best beams (same weights)."""
+    from serve import LLM, SamplingParams
+
+    prompt = [5, 17, 99, 3, 42]
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        n=2,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "return_token_ids": True},
+    )
+    llm = LLM(
+        PRESET, max_model_len=64, block_size=8, max_num_seqs=8, num_gpu_blocks_override=64, compilation_cache_dir=""
+    )
+    offline = llm.generate(
+        prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=6, length_penalty=0.5)
+    )[0]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [o.token_ids for o in offline.outputs]
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        client.completions.create(model=MODEL_NAME, prompt="x", stream=True, extra_body={"use_beam_search": True})

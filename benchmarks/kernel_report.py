@@ -31,6 +31,7 @@ from jax._src.lib.triton import dialect as tt_dialect
 from tqdm import tqdm
 
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.grouped_matmul import grouped_matmul_pallas
 from pallas_kernels.quant_matmul import int8_matmul, weight_only_matmul
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -256,10 +257,23 @@ def quant_matmul_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], 
         )
 
 
+def grouped_matmul_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], tuple[S, ...]]]:
+    """The MoE grouped matmul, forward and backward (input and weight gradients), on Qwen3-30B-A3B's
+    gate (2048 -> 768) and Mixtral-8x7B's down (14336 -> 4096) expert shapes."""
+    shapes = [(4096, 128, 2048, 768)] if quick else [(4096, 128, 2048, 768), (8192, 8, 14336, 4096)]
+    for m, g, k, n in shapes:
+        args = (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32))
+        fwd = functools.partial(grouped_matmul_pallas, interpret=False)
+        yield f"forward M{m} G{g} K{k} N{n}", fwd, args
+        bwd = jax.grad(lambda x, w, gs: fwd(x, w, gs).astype(jnp.float32).sum(), (0, 1))
+        yield f"backward M{m} G{g} K{k} N{n}", bwd, args
+
+
 def report(quick: bool) -> list[KernelStats]:
     jobs: list[tuple[str, Callable[..., Any], tuple[S, ...]]] = list(flash_shapes(quick))
     jobs += [(str(p), p.fn(), p.args()) for p in paged_shapes(quick)]
     jobs += list(quant_matmul_shapes(quick))
+    jobs += list(grouped_matmul_shapes(quick))
     rows = []
     for shape, fn, args in tqdm(jobs, desc="lowering + compiling for sm_90a", unit="shape"):
         for kernel in triton_kernels(fn, *args):

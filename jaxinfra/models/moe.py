@@ -18,7 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
-from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference as grouped_matmul
+from pallas_kernels.grouped_matmul import grouped_matmul
 from sharding import constrain
 
 _STATS: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_stats", default=None)

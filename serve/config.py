@@ -13,6 +13,7 @@ from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
+from serve.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", *MODEL_DTYPES)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's names)
@@ -80,6 +81,9 @@ class EngineArgs:
     """> 1: decode-only batches with nothing waiting run that many steps in one jitted loop."""
     scheduling_policy: str = "fcfs"
     """fcfs | priority (requests' `priority` orders admission and preemption, lower first; vLLM's)."""
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}
+    (see serve/spec_decode/config.py)."""
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     """JAX's persistent compilation cache ("" = off)."""
 
@@ -120,6 +124,18 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
+        if self.speculative_config is not None:
+            self.speculative()
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config; a bad one (or a draft with another vocabulary than the
+        model's) is a ValueError naming its field."""
+        if self.speculative_config is None:
+            return None
+        try:
+            return SpeculativeConfig.from_dict(self.speculative_config, target_model=self.model)
+        except ValueError as e:
+            raise ValueError(f"EngineArgs.{e}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineArgs:

@@ -105,7 +105,8 @@ def apply_penalties(
     return logits - t.frequency[:, None] * out_counts - t.presence[:, None] * (out_counts > 0)
 
 
-def _ban(logits: jax.Array, t: SamplingTensors, eos_ids: tuple[int, ...]) -> jax.Array:
+def ban_held_tokens(logits: Float[Array, "S V"], t: SamplingTensors, eos_ids: tuple[int, ...]) -> Float[Array, "S V"]:
+    """-inf on the stop ids (and EOS unless ignore_eos) of rows still under their min_tokens."""
     s, v = logits.shape
     held = (t.out_pos < t.min_tokens)[:, None]
     eos = jnp.broadcast_to(jnp.asarray(eos_ids or (-1,), jnp.int32), (s, max(len(eos_ids), 1)))
@@ -123,16 +124,27 @@ def apply_bitmask(logits: Float[Array, "S V"], bitmask: Int[Array, "S W"]) -> Fl
     return jnp.where(bits == 1, logits, -jnp.inf)
 
 
-def _row_key(seed: jax.Array, sibling: jax.Array, pos: jax.Array) -> jax.Array:
+def row_key(seed: jax.Array, sibling: jax.Array, pos: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sibling), pos)
+
+
+def _scaled(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    return logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+
+
+def filtered_probs(masked: Float[Array, "S V"], t: SamplingTensors) -> Float[Array, "S V"]:
+    """The distribution a random row's token is drawn from (temperature, then top-k/top-p/min-p) given
+    its `ban_held_tokens` logits; speculative decoding's rejection sampler accepts drafts against it."""
+    scaled = _scaled(masked, t)
+    return jax.nn.softmax(filter_logits(scaled, top_k=t.top_k, top_p=t.top_p, min_p=t.min_p), axis=-1)
 
 
 def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Gumbel-max over the top-k / top-p / min-p support of temperature-scaled logits. The noise is
     drawn per (row key, token id), so the candidates shortcut picks exactly what the full sort would."""
     v = logits.shape[-1]
-    scaled = logits / jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
-    keys = jax.vmap(_row_key)(t.seed, t.sibling, t.out_pos)
+    scaled = _scaled(logits, t)
+    keys = jax.vmap(row_key)(t.seed, t.sibling, t.out_pos)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
     random_rows = t.temperature > 0
     topk_on = t.top_k > 0
@@ -163,7 +175,7 @@ def sample(
     """One token per row; temperature-0 rows are greedy, and an all-greedy batch skips the random
     path at run time. Logprobs are of `raw_logits` (the model's, before penalties; default `logits`)."""
     raw = (logits if raw_logits is None else raw_logits).astype(jnp.float32)
-    masked = _ban(logits.astype(jnp.float32), t, eos_ids)
+    masked = ban_held_tokens(logits.astype(jnp.float32), t, eos_ids)
     greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(
         jnp.any(t.temperature > 0),

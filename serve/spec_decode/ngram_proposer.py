@@ -1,0 +1,57 @@
+"""Prompt-lookup (n-gram) proposals on the host, vectorised over the batch with numpy.
+
+As vLLM's NgramProposer: for each row, the longest suffix n-gram (prompt_lookup_min <= n <=
+prompt_lookup_max) of its prompt + output that occurred before, earliest occurrence first; the k
+tokens that followed it are the draft (fewer where the history ends first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jaxtyping import Int
+from numpy.lib.stride_tricks import sliding_window_view
+
+from serve.spec_decode.config import SpeculativeConfig
+
+
+class NgramProposer:
+    """Drafts of num_speculative_tokens for a batch of token histories."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"NgramProposer needs speculative_config.method 'ngram', got {config.method!r}")
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.k = config.num_speculative_tokens
+
+    def propose(
+        self,
+        tokens: Int[np.ndarray, "B L"],
+        num_tokens: Int[np.ndarray, " B"],
+        max_new: Int[np.ndarray, " B"] | None = None,
+    ) -> Int[np.ndarray, "B K"]:
+        """Drafts [B, k] (-1 pads) for histories left-aligned in `tokens` (row b's first num_tokens[b]),
+        at most max_new[b] per row (room left before max_model_len / max_tokens)."""
+        b, width = tokens.shape
+        num_tokens = np.asarray(num_tokens, np.int64)
+        start = np.zeros(b, np.int64)  # where the continuation begins
+        found = np.zeros(b, bool)
+        rows = np.arange(b)
+        for n in range(min(self.max_n, width - 1), self.min_n - 1, -1):
+            todo = ~found & (num_tokens > n)
+            if not todo.any():
+                continue
+            suffix_at = np.maximum(num_tokens - n, 0)[:, None] + np.arange(n)
+            suffix = tokens[rows[:, None], suffix_at]  # [B, n]
+            windows = sliding_window_view(tokens, n, axis=1)  # [B, L-n+1, n]
+            starts = np.arange(windows.shape[1])
+            hit = (windows == suffix[:, None, :]).all(axis=-1) & (starts[None, :] + n < num_tokens[:, None])
+            hit &= todo[:, None]
+            matched = hit.any(axis=1)
+            start[matched] = hit[matched].argmax(axis=1) + n
+            found |= matched
+        limit = num_tokens if max_new is None else np.minimum(num_tokens, start + np.asarray(max_new))
+        at = start[:, None] + np.arange(self.k)
+        valid = found[:, None] & (at < limit[:, None])
+        drafts = np.take_along_axis(tokens, np.minimum(at, width - 1), axis=1)
+        return np.where(valid, drafts, -1).astype(np.int32)

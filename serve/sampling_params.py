@@ -78,7 +78,7 @@ class SamplingParams:
     use_beam_search: bool = False
     best_of: int | None = None  # beams (default n); the n best are returned
     length_penalty: float = 1.0  # a hypothesis scores sum(logprob) / generated_len ** length_penalty
-    early_stopping: bool | str = False  # True | False | "never", as in transformers
+    early_stopping: bool | Literal["never"] = False  # as in transformers
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:

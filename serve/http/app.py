@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from serve.async_engine import AsyncEngine
 from serve.auth import OPEN_PATHS, AuthMiddleware, KeyRing
+from serve.http.body_limit import BodyLimit, default_body_limit
 from serve.http.errors import add_error_handlers
 from serve.http.middleware import MIDDLEWARE
 from serve.http.serving_base import OpenAIServing
@@ -46,12 +47,14 @@ def build_app(
     protect_metrics: bool = False,
     max_queue: int = 256,
     request_timeout: float | None = None,
+    max_request_body_bytes: int | None = None,
     metrics: ServerMetrics | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running AsyncEngine (its metrics hook should feed `metrics`).
     `api_key` and `api_keys` (digest -> tenant, from --api-keys-file) are the keys every route but
     /health, /version, /ping and (unless `protect_metrics`) /metrics needs; `max_queue`: sequences
-    admitted beyond max_num_seqs before a 429; `request_timeout`: seconds."""
+    admitted beyond max_num_seqs before a 429; `request_timeout`: seconds; `max_request_body_bytes`:
+    bodies past it are 413s (default: body_limit.default_body_limit of the model's context)."""
     metrics = metrics or ServerMetrics(model_name)
     if engine.on_iteration is None:
         engine.on_iteration = metrics.observe
@@ -73,6 +76,8 @@ def build_app(
     app.add_middleware(
         AuthMiddleware, keys=state.keys, open_paths=OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
     )
+    body_limit = max_request_body_bytes or default_body_limit(engine.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=body_limit)  # outermost: before anything reads the body
     for serving in SERVING_CLASSES:
         app.include_router(serving(state).router())
     return app

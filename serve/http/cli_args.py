@@ -18,7 +18,9 @@ import typing
 import yaml
 
 from jaxinfra.yaml_config import load_config
+from serve.async_engine import DEFAULT_RESTART_ATTEMPTS
 from serve.config import EngineArgs
+from serve.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from serve.tool_parsers import TOOL_PARSERS
 
 ALIASES = {"quantization": ("-q",)}  # short forms vLLM also takes
@@ -131,7 +133,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--restart-engine",
         action="store_true",
-        help="start a new engine core if it dies (in-flight requests still fail)",
+        help="start a new engine core if it dies or stops answering (in-flight requests still fail)",
+    )
+    p.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        help="seconds without a heartbeat from the engine core before it counts as stuck: killed, its "
+        "requests failed, /health 503 (restarted with --restart-engine)",
+    )
+    p.add_argument(
+        "--engine-restart-attempts",
+        type=int,
+        default=DEFAULT_RESTART_ATTEMPTS,
+        help="failed core starts in a row (with back-off) before the server exits non-zero",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="bodies past this are answered 413 before they are parsed "
+        "(default: room for a prompt of max-model-len tokens, 64 bytes each, + 256 KiB)",
     )
     _add_engine_flags(p)
     return p

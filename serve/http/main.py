@@ -30,7 +30,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = (
             None
             if args.ray
-            else AsyncEngine(engine_args, warmup=not args.no_warmup, restart_on_failure=args.restart_engine)
+            else AsyncEngine(
+                engine_args,
+                warmup=not args.no_warmup,
+                restart_on_failure=args.restart_engine,
+                heartbeat_timeout=args.engine_heartbeat_timeout,
+                restart_attempts=args.engine_restart_attempts,
+            )
         )
     except (ValueError, RuntimeError) as e:
         print(f"jaxinfra serve: error: {name_flag(str(e))}", file=sys.stderr)
@@ -43,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         protect_metrics=args.protect_metrics,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     if engine is None:
         from serve.ray_app import run
@@ -71,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"print(c.completions.create(model='{name}', prompt='Hello', max_tokens=16).choices[0].text)\"",
         flush=True,
     )
+    engine.on_fatal = lambda _: app.state.server.drain.begin()  # the core cannot come back: exit non-zero
     try:
         serve_draining(app, args.host, args.port, args.drain_timeout)
     finally:
         engine.shutdown()
-    return 0
+    return 1 if engine.fatal else 0

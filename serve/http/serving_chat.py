@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -25,10 +26,10 @@ class ServingChat(GenerationServing):
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         tools = plan_tools(req, self.state.tools)
-        ids = self.tokenize(
-            self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools.template_tools),
-            req.add_special_tokens,
+        text = await asyncio.to_thread(  # templates and tokenizing run off the event loop
+            self.render_chat, req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools.template_tools
         )
+        ids = await asyncio.to_thread(self.tokenize, text, req.add_special_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         gen = ChatGeneration(self.state, req, [ids], logprobs, req.requested_max_tokens(), tools=tools)
         return await self.respond(request, gen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -23,10 +24,13 @@ class ServingCompletion(GenerationServing):
         self.check_request(req)
         if req.max_tokens == 0 and not req.echo:
             raise OpenAIError(400, "max_tokens must be at least 1 unless echo is true", param="max_tokens")
-        ids = [self.tokenize(p, req.add_special_tokens) for p in req.prompts()]
+        ids = [await asyncio.to_thread(self.tokenize, p, req.add_special_tokens) for p in req.prompts()]  # off the loop
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else self._decode(q) for p, q in zip(req.prompts(), ids)]
+            echo = [
+                p if isinstance(p, str) else await asyncio.to_thread(self._decode, q)
+                for p, q in zip(req.prompts(), ids)
+            ]
         gen = Generation(self.state, req, ids, req.logprobs, req.max_tokens, echo=echo)
         return await self.respond(request, gen)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -32,12 +33,14 @@ class ServingTokenization(OpenAIServing):
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give either prompt or messages", param="prompt")
         if req.messages is not None:
-            text = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            text = await asyncio.to_thread(
+                self.render_chat, req.messages, req.add_generation_prompt, req.chat_template_kwargs
+            )
             special = bool(req.add_special_tokens)  # the template wrote them already
         else:
             text, special = req.prompt or "", req.add_special_tokens is not False
         try:
-            ids = tok.encode(text, special)
+            ids = await asyncio.to_thread(tok.encode, text, special)  # off the event loop
         except (UnicodeError, TypeError, ValueError) as e:
             raise OpenAIError(400, f"prompt is not valid text: {e}", param="prompt") from e
         body: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
@@ -50,7 +53,7 @@ class ServingTokenization(OpenAIServing):
         req.warn_unknown()
         if not all(0 <= t < self.engine.vocab_size for t in req.tokens):
             raise OpenAIError(400, f"tokens must be ids in [0, {self.engine.vocab_size})", param="tokens")
-        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(tok.decode, req.tokens, skip_special_tokens=False)}
 
     async def tokenizer_info(self) -> dict[str, Any]:
         tok = self._tokenizer(None)

@@ -67,6 +67,11 @@ def logical_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_rules() -> tuple[Mesh, Rules] | None:
+    """The mesh and rules `logical_rules` activated (None outside it)."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None], *, unmapped_free: bool = False) -> jax.Array:
     """Sharding constraint on an activation by logical names; identity when no rules are active.
     `unmapped_free`: dimensions the rules do not map stay unconstrained (the compiler picks) instead

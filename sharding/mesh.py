@@ -1,5 +1,5 @@
-"""Device meshes with axes (pipeline, data, fsdp, context, tensor) from a small config; -1 fills the
-remaining devices."""
+"""Device meshes with axes (pipeline, data, fsdp, expert, context, tensor) from a small config; -1
+fills the remaining devices."""
 
 from __future__ import annotations
 
@@ -11,19 +11,21 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost (across hosts) to innermost
+AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")  # outermost (across hosts) to innermost
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Sizes of the mesh axes: data and fsdp split the batch (fsdp also the weights), tensor the heads
-    and MLP, pipeline the decoder layers into stages, context the sequence."""
+    and MLP, pipeline the decoder layers into stages, context the sequence, expert a mixture of
+    experts' experts (and the batch: tokens travel to their experts' devices and back)."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     pipeline: int = 1
     context: int = 1
+    expert: int = 1
 
     def shape(self, num_devices: int) -> tuple[int, ...]:
         """The axis sizes in AXES order."""

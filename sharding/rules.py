@@ -16,6 +16,7 @@ DP = ("data", "fsdp")  # every data-parallel rank: the batch, and ZeRO's optimiz
 
 _PP: Rules = {"layers": "pipeline", "stage": "pipeline"}  # stacked decoder layers and pipeline stages
 _ACTIVATIONS: Rules = {"batch": DP, "length": "context", **_PP}
+_EP: Rules = {"batch": ("data", "fsdp", "expert"), "experts": "expert"}
 _TP: Rules = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 
 
@@ -34,6 +35,11 @@ PRESETS: dict[str, ShardingRules] = {
     "zero2": ShardingRules("zero2", _PP, {**_PP, "embed": DP}, _ACTIVATIONS, True),
     "fsdp": ShardingRules("fsdp", {**_PP, "embed": DP}, {**_PP, "embed": DP}, _ACTIVATIONS, True),
     "tp": ShardingRules("tp", {**_PP, **_TP}, {**_PP, **_TP}, {**_ACTIVATIONS, **_TP}, False),
+    # expert parallelism: experts split over the expert axis, which also splits the batch (with data
+    # and fsdp), so each device routes its own tokens to the experts' devices with an all-to-all
+    "ep": ShardingRules(
+        "ep", {**_PP, "experts": "expert"}, {**_PP, "experts": "expert"}, {**_ACTIVATIONS, **_EP}, False
+    ),
     "fsdp_tp": ShardingRules(
         "fsdp_tp", {**_PP, **_TP, "embed": DP}, {**_PP, **_TP, "embed": DP}, {**_ACTIVATIONS, **_TP}, True
     ),

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxinfra.config import ModelConfig
+from jaxinfra.models.expert_parallel import expert_axes, expert_parallel_moe
 from pallas_kernels.grouped_matmul import grouped_matmul
 from sharding import constrain
 
@@ -91,12 +92,13 @@ def route(
     return weights, experts, probs
 
 
-def router_stats(logits: Float[Array, "N X"], probs: Float[Array, "N X"], counts: Int[Array, " X"]) -> RouterStats:
-    """The load-balancing loss (as transformers' load_balancing_loss_func), z-loss and counts."""
-    n, x = probs.shape
-    aux = x * jnp.sum(counts.astype(jnp.float32) / n * jnp.mean(probs, axis=0))
-    z = jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
-    return RouterStats(aux, z, counts)
+def router_stats(
+    mean_probs: Float[Array, " X"], z_loss: jax.Array, counts: Int[Array, " X"], tokens: int | jax.Array
+) -> RouterStats:
+    """RouterStats from a batch's mean router probabilities, z-loss and copies per expert over its
+    `tokens` tokens; the load-balancing loss as transformers' load_balancing_loss_func."""
+    aux = mean_probs.shape[0] * jnp.sum(counts.astype(jnp.float32) / tokens * mean_probs)
+    return RouterStats(aux, z_loss, counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,23 +167,46 @@ class MoE(nnx.Module):
             self.shared_gate = _param(rngs, (e,), ("embed",), std, dt)
 
     def __call__(self, h: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
-        b, t, e = h.shape
-        x = h.reshape(b * t, e)
-        logits = jnp.einsum("ne,ex->nx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        weights, experts, probs = route(logits, self.top_k, self.normalize)
-        capacity = expert_capacity(b * t, self.top_k, self.num_experts, _CAPACITY.get())
-        d = dispatch(experts, self.num_experts, capacity)
-        emit(router_stats(logits, probs, d.counts) if _STATS.get() is not None else None)
-        weights_e = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
-        y = experts_ffn(jnp.take(x, d.order // self.top_k, axis=0), d.group_sizes, *weights_e)
-        inverse = jnp.zeros_like(d.order).at[d.order].set(jnp.arange(d.order.shape[0], dtype=jnp.int32))
-        w = weights.reshape(-1) if d.kept is None else jnp.where(d.kept, weights.reshape(-1), 0.0)
-        copies = jnp.take(y, inverse, axis=0).astype(jnp.float32) * w[:, None]
-        out = jnp.sum(copies.reshape(b * t, self.top_k, e), axis=1).astype(h.dtype).reshape(b, t, e)
+        weights = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+        axes = expert_axes(self.num_experts)
+        if axes:  # experts split over devices: tokens travel to them (dropless)
+            route_fn = lambda logits: route(logits, self.top_k, self.normalize)
+            out, (mean_probs, z, counts) = expert_parallel_moe(h, self.router[...], weights, route_fn, _local, axes)
+            emit(router_stats(mean_probs, z, counts, h.shape[0] * h.shape[1]) if _STATS.get() is not None else None)
+        else:
+            out = self._routed(h, weights)
         if self.shared is not None:
             gate = jax.nn.sigmoid(jnp.einsum("bte,e->bt", h, self.shared_gate[...].astype(h.dtype)))
             out = out + gate[..., None] * self.shared(h)
         return constrain(out, ("batch", "length", "embed"))
+
+    def _routed(self, h: Float[Array, "B T E"], weights: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        """The top-k experts' weighted outputs, every expert on this device."""
+        b, t, e = h.shape
+        x = h.reshape(b * t, e)
+        logits = jnp.einsum("ne,ex->nx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        gates, experts, probs = route(logits, self.top_k, self.normalize)
+        capacity = expert_capacity(b * t, self.top_k, self.num_experts, _CAPACITY.get())
+        d = dispatch(experts, self.num_experts, capacity)
+        if _STATS.get() is not None:
+            z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+            emit(router_stats(jnp.mean(probs, axis=0), z, d.counts, b * t))
+        y = experts_ffn(jnp.take(x, d.order // self.top_k, axis=0), d.group_sizes, *weights)
+        w = gates.reshape(-1) if d.kept is None else jnp.where(d.kept, gates.reshape(-1), 0.0)
+        copies = jnp.take(y, _inverse(d.order), axis=0).astype(jnp.float32) * w[:, None]
+        return jnp.sum(copies.reshape(b * t, self.top_k, e), axis=1).astype(h.dtype).reshape(b, t, e)
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    """The inverse of a permutation."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def _local(rows: jax.Array, ids: jax.Array, weights: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """Rows through this device's experts by local id (ids past the last expert: zero rows)."""
+    order = jnp.argsort(ids, stable=True)
+    sizes = jnp.bincount(ids, length=weights[0].shape[0]).astype(jnp.int32)
+    return jnp.take(experts_ffn(jnp.take(rows, order, axis=0), sizes, *weights), _inverse(order), axis=0)
 
 
 def summarize(stats: list[RouterStats]) -> RouterStats | None:

@@ -1,0 +1,105 @@
+"""Expert parallelism: a mixture of experts whose experts are split over a mesh axis that also splits
+the tokens. Under shard_map each device routes its own tokens, sends every token copy to the device
+holding its expert (one all-to-all), runs its local experts as grouped matmuls and sends the results
+back (a second all-to-all); expert weights never leave their device. Dropless: each device reserves
+room for all of its copies per destination, so nothing is dropped whatever the routing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, Int
+
+from sharding.logical import active_rules, logical_to_spec
+
+Weights = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def expert_axes(num_experts: int) -> tuple[str, ...]:
+    """The mesh axes the active rules split the experts over (none outside rules or at size 1)."""
+    active = active_rules()
+    if active is None:
+        return ()
+    mesh, rules = active
+    spec = logical_to_spec(("experts",), rules, (num_experts,), mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return axes if math.prod(mesh.shape[a] for a in axes) > 1 else ()
+
+
+def _exchange(
+    x: Float[Array, "N E"],
+    experts: Int[Array, "N K"],
+    local_experts: int,
+    parts: int,
+    axis: tuple[str, ...],
+    ffn: Callable[[jax.Array, jax.Array], jax.Array],
+) -> Float[Array, "NK E"]:
+    """Each token copy's expert output: copies to their experts' devices, `ffn(rows, local expert
+    ids)` there, results back, in the copies' flat (token * k + slot) order."""
+    n, k = experts.shape
+    copies = n * k
+    flat = experts.reshape(-1)
+    dest = flat // local_experts
+    order = jnp.argsort(flat, stable=True)  # by expert, so by destination device
+    counts = jnp.bincount(dest, length=parts)
+    slot_sorted = jnp.arange(copies) - (jnp.cumsum(counts) - counts)[dest[order]]
+    slot = jnp.zeros_like(slot_sorted).at[order].set(slot_sorted)  # each copy's row at its destination
+    send = jnp.zeros((parts, copies, x.shape[1]), x.dtype).at[dest, slot].set(jnp.repeat(x, k, axis=0))
+    ids = jnp.full((parts, copies), local_experts, jnp.int32).at[dest, slot].set(flat % local_experts)
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
+    recv_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
+    out = ffn(recv.reshape(parts * copies, -1), recv_ids.reshape(-1)).reshape(parts, copies, -1)
+    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    return back[dest, slot]
+
+
+def expert_parallel_moe(
+    h: Float[Array, "B T E"],
+    router: Float[Array, "E X"],
+    expert_weights: tuple[jax.Array, jax.Array, jax.Array],
+    route: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+    local_ffn: Callable[[jax.Array, jax.Array, Weights], jax.Array],
+    axes: tuple[str, ...],
+) -> tuple[Float[Array, "B T E"], tuple[jax.Array, jax.Array, jax.Array]]:
+    """The routed experts' output for `h` with experts split over `axes` (which must also split the
+    batch), and the router's statistics over the whole batch: (mean probability per expert, mean
+    squared logsumexp, copies per expert). `route(logits)` -> (weights, ids, probs);
+    `local_ffn(rows, local ids, weights)` runs this device's experts (ids past them: zero rows)."""
+    active = active_rules()
+    assert active is not None
+    mesh, rules = active
+    x_spec = logical_to_spec(("batch", "length", "embed"), rules, h.shape, mesh)
+    token_axes = tuple(a for s in x_spec[:2] if s is not None for a in ((s,) if isinstance(s, str) else s))
+    if not set(axes) <= set(token_axes):
+        raise ValueError(f"expert parallelism over {axes} needs the batch split over them too, got {token_axes}")
+    num_experts = router.shape[1]
+    parts = math.prod(mesh.shape[a] for a in axes)
+    w_spec = PartitionSpec(axes, None, None)
+
+    def body(h: jax.Array, router: jax.Array, *weights: jax.Array) -> tuple[jax.Array, tuple]:
+        b, t, e = h.shape
+        x = h.reshape(b * t, e)
+        logits = jnp.einsum("ne,ex->nx", x.astype(jnp.float32), router.astype(jnp.float32))
+        w, ids, probs = route(logits)
+        local = num_experts // parts
+        y = _exchange(x, ids, local, parts, axes, lambda rows, lid: local_ffn(rows, lid, weights))  # type: ignore[arg-type]
+        out = jnp.sum(y.astype(jnp.float32).reshape(b * t, -1, e) * w[..., None], axis=1).astype(h.dtype)
+        # statistics of the whole batch: sums over every device's tokens
+        counts = jax.lax.psum(jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32), token_axes)
+        tokens = jax.lax.psum(b * t, token_axes)
+        prob_sum = jax.lax.psum(jnp.sum(probs, axis=0), token_axes)
+        z_sum = jax.lax.psum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2), token_axes)
+        return out.reshape(b, t, e), (prob_sum / tokens, z_sum / tokens, counts)
+
+    stat_specs = (PartitionSpec(), PartitionSpec(), PartitionSpec())
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(x_spec, PartitionSpec(), w_spec, w_spec, w_spec),
+        out_specs=(x_spec, stat_specs),
+        check_vma=False,
+    )(h, router, *expert_weights)

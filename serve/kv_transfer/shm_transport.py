@@ -1,0 +1,110 @@
+"""KV blocks between engine processes of one host, through POSIX shared memory.
+
+The prefill engine gathers a request's blocks (every layer; int8/fp8 scales too) into one shared
+memory segment and hands out a `ShmHandle`, a msgspec struct that travels as JSON in
+`kv_transfer_params` (no pickle anywhere). The decode engine attaches, scatters the blocks into its
+own pool and unlinks the segment; the prefill engine unlinks segments nobody pulled when their
+offer expires. Segments are untracked by Python's resource tracker: their owner is the offer, not a
+process, so a segment outlives the process that wrote it until it is pulled or expired.
+"""
+
+from __future__ import annotations
+
+import uuid
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import jax.numpy as jnp
+import msgspec
+import numpy as np
+
+from pallas_kernels import PagedKVCache
+from serve.kv_transfer.blocks import gather_blocks, pool_fields, scatter_blocks
+
+ALIGN = 64  # each array starts on a cache line
+
+
+class ArraySpec(msgspec.Struct, array_like=True):
+    """One pool array's gathered blocks inside the segment."""
+
+    field: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
+class ShmHandle(msgspec.Struct):
+    """Where a request's offered blocks are: what the decode engine needs to pull them."""
+
+    segment: str
+    arrays: list[ArraySpec]
+    num_blocks: int
+
+    def to_params(self) -> dict[str, Any]:
+        """As JSON-ready kv_transfer_params."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> ShmHandle:
+        """From kv_transfer_params (ValueError naming the field if malformed)."""
+        try:
+            return msgspec.convert(params, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"kv_transfer_params: {e}") from e
+
+
+def _untracked(shm: SharedMemory) -> SharedMemory:
+    """`shm` without the resource tracker's unlink at process exit (Python < 3.13 has no track=False)."""
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+def write_blocks(pool: PagedKVCache, block_ids: list[int]) -> ShmHandle:
+    """Copy `block_ids` of `pool` into a new shared memory segment."""
+    blocks = gather_blocks(pool, jnp.asarray(block_ids, jnp.int32))
+    arrays = {name: np.asarray(a) for name, a in pool_fields(blocks).items()}
+    specs, offset = [], 0
+    for name, a in arrays.items():
+        specs.append(ArraySpec(name, a.dtype.name, list(a.shape), offset))
+        offset += -(-a.nbytes // ALIGN) * ALIGN
+    shm = _untracked(SharedMemory(f"jaxinfra-kv-{uuid.uuid4().hex[:16]}", create=True, size=max(offset, 1)))
+    try:
+        for spec in specs:
+            a = arrays[spec.field]
+            np.ndarray(a.shape, a.dtype, shm.buf, spec.offset)[...] = a
+    finally:
+        shm.close()
+    return ShmHandle(shm.name, specs, len(block_ids))
+
+
+def read_blocks(handle: ShmHandle, pool: PagedKVCache, block_ids: list[int]) -> PagedKVCache:
+    """`pool` with the handle's blocks written at `block_ids`; the segment is unlinked (pulled).
+    FileNotFoundError if it is gone (expired): the caller recomputes instead."""
+    if len(block_ids) != handle.num_blocks:
+        raise ValueError(f"kv_transfer_params: {handle.num_blocks} blocks offered, {len(block_ids)} allocated")
+    shm = _untracked(SharedMemory(handle.segment))
+    try:
+        fields = {
+            s.field: jnp.asarray(np.ndarray(tuple(s.shape), jnp.dtype(s.dtype), shm.buf, s.offset))
+            for s in handle.arrays
+        }
+    finally:
+        shm.close()
+        shm.unlink()
+    expected = pool_fields(pool)
+    if fields.keys() != expected.keys() or any(fields[n].dtype != a.dtype for n, a in expected.items()):
+        raise ValueError(f"kv_transfer_params: blocks of {sorted(fields)} do not fit this engine's KV pool")
+    blocks = PagedKVCache(**fields)
+    return scatter_blocks(pool, jnp.asarray(block_ids, jnp.int32), blocks)
+
+
+def release(handle: ShmHandle) -> bool:
+    """Unlink an offer's segment; False if the decode engine had already pulled it."""
+    try:
+        shm = _untracked(SharedMemory(handle.segment))
+    except FileNotFoundError:
+        return False
+    shm.close()
+    shm.unlink()
+    return True

@@ -1,0 +1,99 @@
+"""KV transfer for prefill/decode disaggregation: blocks arrive bitwise (shared memory between
+processes, device_put between meshes; bf16 and int8 KV), and offers nobody pulls expire."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from serve.kv_transfer.offers import OfferTable
+from serve.kv_transfer.shm_transport import ShmHandle, read_blocks, release, write_blocks
+from tests.kv_transfer.pools import blocks_of, random_pool
+
+ROOT = Path(__file__).parent.parent
+SRC_IDS, DST_IDS = [6, 1, 3], [5, 1, 3]
+
+
+def _segment_exists(name: str) -> bool:
+    try:
+        SharedMemory(name).close()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def test_shm_blocks_cross_processes_bitwise():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ROOT / "tests/kv_transfer/shm_writer.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    handles = json.loads(r.stdout.splitlines()[-1])
+    for kind, params in handles.items():
+        handle = ShmHandle.from_params(params)
+        assert _segment_exists(handle.segment)  # outlived its writer
+        dst = random_pool(kind, 1)
+        untouched = blocks_of(dst, [0, 2, 4, 6, 7])
+        dst = read_blocks(handle, dst, DST_IDS)
+        expected, got = blocks_of(random_pool(kind, 0), SRC_IDS), blocks_of(dst, DST_IDS)
+        assert got.keys() == expected.keys() == ({"k", "v"} if kind == "bf16" else {"k", "v", "k_scale", "v_scale"})
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name])
+            np.testing.assert_array_equal(blocks_of(dst, [0, 2, 4, 6, 7])[name], untouched[name])
+        assert not _segment_exists(handle.segment)  # pulled: unlinked
+        assert not release(handle)  # the owner's expiry finds nothing left to free
+
+
+def test_shm_expired_offer_is_unlinked_and_pull_fails_cleanly():
+    handle = write_blocks(random_pool("bf16", 0), [2])
+    assert release(handle)  # never pulled: the expiry frees it
+    assert not _segment_exists(handle.segment)
+    with pytest.raises(FileNotFoundError):  # the decode side then recomputes
+        read_blocks(handle, random_pool("bf16", 1), [4])
+
+
+def test_shm_handle_mismatch_is_a_clear_error():
+    handle = write_blocks(random_pool("int8", 0), [2, 3])
+    try:
+        with pytest.raises(ValueError, match="2 blocks offered, 1 allocated"):
+            read_blocks(handle, random_pool("int8", 1), [4])
+        with pytest.raises(ValueError, match="do not fit this engine's KV pool"):
+            read_blocks(handle, random_pool("bf16", 1), [4, 5])
+    finally:
+        release(handle)
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        ShmHandle.from_params({"segment": 3})
+
+
+def test_device_transfer_between_meshes_bitwise():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ROOT / "tests/kv_transfer/device_check.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "DEVICE_OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_offer_table_expires_unpulled_blocks():
+    now = [100.0]
+    table = OfferTable(timeout_s=5.0, clock=lambda: now[0])
+    table.offer("a", [1, 2, 3], payload="seg-a")
+    now[0] = 102.0
+    table.offer("b", [4])
+    with pytest.raises(ValueError, match="already has offered blocks"):
+        table.offer("b", [5])
+    assert table.num_held_blocks == 4 and table.expire() == []
+    pulled = table.pulled("b")
+    assert pulled is not None and pulled.block_ids == (4,)
+    now[0] = 105.0
+    (gone,) = table.expire()
+    assert (gone.request_id, gone.block_ids, gone.payload) == ("a", (1, 2, 3), "seg-a")
+    assert table.pulled("a") is None  # too late: already freed
+    assert len(table) == 0 and table.num_held_blocks == 0
+    assert (table.blocks_offered, table.blocks_pulled, table.blocks_expired) == (4, 1, 3)
+    with pytest.raises(ValueError, match="timeout_s"):
+        OfferTable(timeout_s=0)

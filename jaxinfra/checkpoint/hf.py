@@ -98,7 +98,7 @@ _QWEN_MOE_MAP = {
     ("mlp", "shared_gate"): TensorMap("mlp.shared_expert_gate.weight", "linear"),
 }
 # MoE model type -> its expert block's tensors (Mixtral: block_sparse_moe, w1 = gate, w3 = up, w2 = down).
-_MOE_MAPS = {
+_MOE_MAPS: dict[str, dict[tuple[str, ...], TensorMap]] = {
     "mixtral": {
         ("mlp", "router"): TensorMap("block_sparse_moe.gate.weight", "linear"),
         ("mlp", "expert_gate"): TensorMap("block_sparse_moe.experts.{expert}.w1.weight", "linear", per_expert=True),

@@ -177,7 +177,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
             fetched = jax.device_get(pending)
             seconds = time.perf_counter() - tic
             tokens = sum(float(m["tokens"]) for m in fetched)
-            record = {
+            record: dict[str, float | list[float]] = {
                 "loss": float(np.mean([m["loss"] for m in fetched])),
                 "grad_norm": float(fetched[-1]["grad_norm"]),
                 "lr": float(schedule(step)),

@@ -86,7 +86,7 @@ def _post(url, path, body, **kw):
         ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400, "guided_choice"),
         ({"model": MODEL_NAME, "prompt": "x", "guided_regex": "(("}, 400, None),
         ({"model": MODEL_NAME, "prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
-        ({"model": MODEL_NAME, "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"model": MODEL_NAME, "prompt": "x", "functions": [{"name": "f"}]}, 400, "functions"),
         ({"model": MODEL_NAME, "prompt": list(range(200))}, 400, "prompt"),
         ({"model": MODEL_NAME, "prompt": [1, 999999]}, 400, "prompt"),
         ({"model": MODEL_NAME}, 400, "prompt"),

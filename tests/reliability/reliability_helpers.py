@@ -121,10 +121,13 @@ class Tally:
         self.server_errors += status >= 500
         return status
 
-    def watch(self, streams: list[Stream]) -> None:
+    def watch(self, streams: list[Stream], beside: str) -> None:
+        """Count streams that ran beside the probe `beside`, and their worst gap."""
+        worst = max(s.worst_gap for s in streams)
         self.streams += len(streams)
         self.streams_harmed += sum(not s.unharmed for s in streams)
-        self.longest_stall_s = max(self.longest_stall_s, *(s.worst_gap for s in streams))
+        self.longest_stall_s = max(self.longest_stall_s, worst)
+        self.notes.append(f"worst stream gap beside {beside} {worst:.3f} s")
 
     def report(self) -> str:
         return (

@@ -51,7 +51,7 @@ def test_huge_bodies_are_refused_while_streams_and_health_stay_live(server, norm
             t0 = time.monotonic()
             assert c.get(f"{url}/health").status_code == 200
             health.append(time.monotonic() - t0)
-    TALLY.watch(streams)
+    TALLY.watch(streams, "5 MB and 1 MB bodies")
     TALLY.notes.append(f"/health worst {max(health):.3f} s beside 5 MB and 1 MB bodies")
     assert all(s.unharmed for s in streams)
     assert max(s.worst_gap for s in streams) <= normal_gap + 1.0
@@ -106,7 +106,7 @@ def test_a_pathological_regex_is_a_400_that_stalls_no_stream(server, normal_gap)
         t0 = time.monotonic()
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         took = time.monotonic() - t0
-    TALLY.watch(streams)
+    TALLY.watch(streams, "the regex")
     TALLY.notes.append(f"(a{{1000}}){{1000}} answered {r.status_code} in {took:.2f} s")
     assert TALLY.answer(r.status_code) == 400 and "grammar" in r.json()["error"]["message"]
     assert all(s.unharmed for s in streams)
@@ -164,6 +164,6 @@ def test_fuzzed_requests_get_no_5xx_and_harm_no_stream(server):
 
     with background_streams(url) as streams, httpx.Client(timeout=120) as client:
         fuzz()
-    TALLY.watch(streams)
+    TALLY.watch(streams, "the fuzzer")
     TALLY.notes.append(f"fuzzer: {len(statuses)} calls, {sum(s < 300 for s in statuses)} answered 2xx")
     assert all(s.unharmed for s in streams)

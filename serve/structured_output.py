@@ -83,15 +83,6 @@ def failure(matcher: Matcher) -> str:
     return f"structured_outputs: the grammar failed: {matcher.get_error().splitlines()[0]}"
 
 
-# llguidance's work budgets (its defaults, stated; fuel is work, ~14-50k per ms): the lexer's
-# initial fuel bounds building a grammar's lexer, step fuel and Earley items bound each token mask
-# (~15 ms), past which the matcher fails instead of running on; errors stay one line.
-PARSER_LIMITS = {
-    "initial_lexer_fuel": 1_000_000,
-    "step_lexer_fuel": 200_000,
-    "step_max_items": 50_000,
-    "verbose_errors": False,
-}
 COMPILE_WORKERS = 2
 
 
@@ -105,7 +96,12 @@ class GrammarCompiler:
         eos = list(eos_token_ids or tokenizer.eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=eos or None)
         self.executor = llguidance.LLExecutor()
-        self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        # llguidance's work budgets (its defaults, stated; fuel is work, ~14-50k per ms): the initial
+        # fuel bounds building a grammar's lexer, step fuel and Earley items bound each token mask
+        # (~15 ms), past which the matcher fails instead of running on; errors stay one line.
+        self.limits = llguidance.LLParserLimits(
+            initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000, verbose_errors=False
+        )
         self.workers = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
 
     def validate(self, so: StructuredOutputsParams) -> str:

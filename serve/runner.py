@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Int
 from tqdm import tqdm
 
 from jaxinfra.config import ModelConfig
@@ -35,7 +36,7 @@ from pallas_kernels import (
     tile_plan,
 )
 from pallas_kernels.kv_quant import is_quantized_kv
-from pallas_kernels.paged_tiles import kernel_work_list
+from pallas_kernels.paged_tiles import TilePlan, kernel_work_list
 from pallas_kernels.ragged_paged_attention import kernel_tile_tokens
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
 from serve.config import kv_storage_dtype
@@ -50,8 +51,8 @@ from serve.sampler import (
     sample,
 )
 from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
-from serve.scheduler import SchedulerOutput
-from serve.sequence import Sequence
+from serve.scheduler import SchedulerOutput, StepResult
+from serve.sequence import Sequence, stops
 from serve.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, logical_rules, named_sharding, shard_state, tensor_parallel_mesh
 
@@ -86,35 +87,37 @@ def num_blocks_for_memory(
     return addressable_blocks(num_blocks * cfg.num_layers, block_elements, jnp.dtype(dtype).itemsize) // cfg.num_layers
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """A step's token-level inputs: numpy on the host, device arrays inside the jitted step."""
+
+    input_ids: Int[Array, " T"]
+    prev_index: Int[Array, " T"]  # >= 0: feed prev_tokens[prev_index] (sampled by the previous step)
+    positions: Int[Array, " T"]
+    slot_mapping: Int[Array, " T"]
+    block_tables: Int[Array, "S W"]
+    cu_q_lens: Int[Array, " S1"]
+    kv_lens: Int[Array, " S"]
+    logits_indices: Int[Array, " S"]  # the token whose logits each row samples from
+    prompt_targets: Int[Array, " T"] | None = None  # single steps: the next prompt token to score, or -1
+    plan: TilePlan | None = None  # the XLA attention's work tiles
+    work: Int[Array, "N 2"] | None = None  # the Pallas kernel's work list
+
+
 @dataclasses.dataclass
 class StepBatch:
-    """One device step, prepared on the host: the sequences in row order and the arrays to send."""
+    """One device step, prepared on the host: the scheduler's output and the arrays to send."""
 
-    seqs: list[Sequence]
-    starts: np.ndarray  # tokens each sequence had computed before this step
-    counts: np.ndarray  # new tokens per sequence
-    samples: np.ndarray  # bool per sequence: its prompt is done, so it samples a token
-    inputs: dict[str, Any]
+    sched: SchedulerOutput
+    inputs: StepInputs
     sampling: SamplingTensors
     max_q_len: int
-    num_steps: int = 1  # > 1: a jitted multi-step decode loop
-    budget: np.ndarray | None = None  # multi-step: tokens each row may still produce
+    budget: np.ndarray | None = None  # decode loop: [sb] steps each row runs (padding rows 0)
     history: tuple[np.ndarray, np.ndarray] | None = None  # resampling: [S, L] ids and is-output flags
     prompt_logprobs: bool = False
     grammar_rows: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (matcher, row) to mask
     bias: tuple[np.ndarray, np.ndarray] | None = None  # resampling: logit_bias [S, MAX_LOGIT_BIAS] ids, values
-
-
-LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Host copies of what a step produced, rows in scheduled order; a decode loop's are [K, S, ...]."""
-
-    tokens: np.ndarray
-    logprobs: LogprobArrays | None = None  # sampled tokens': [S], [S, MAX_LOGPROBS] x 2
-    prompt_logprobs: LogprobArrays | None = None  # per prompt token: log p(next prompt token), top ids, top
 
 
 @dataclasses.dataclass
@@ -130,7 +133,7 @@ class InFlight:
         jax.block_until_ready(self.out.tokens)
 
     def fetch(self) -> StepResult:
-        want_lp = any(s.params.logprobs is not None for s in self.batch.seqs)
+        want_lp = any(s.params.logprobs is not None for s in self.batch.sched.seqs)
         arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]
         if self.batch.prompt_logprobs:
             arrays += list(self.prompt)
@@ -157,7 +160,6 @@ class SlotTable:
         }
         self.stop_ids = np.full((capacity, MAX_BANNED_STOP_IDS), -1, np.int32)
         self.prompt_len = np.zeros(capacity, np.int32)
-        self.max_output = np.zeros(capacity, np.int32)
         self.resample = np.zeros(capacity, bool)  # penalties, a structured output or a logit bias
         self.bias_ids = np.full((capacity, MAX_LOGIT_BIAS), -1, np.int32)
         self.bias_values = np.zeros((capacity, MAX_LOGIT_BIAS), np.float32)
@@ -176,7 +178,7 @@ class SlotTable:
             ids = p.stop_token_ids[:MAX_BANNED_STOP_IDS]
             self.stop_ids[slot] = -1
             self.stop_ids[slot, : len(ids)] = ids
-            self.prompt_len[slot], self.max_output[slot] = seq.prompt_len, seq.max_output
+            self.prompt_len[slot] = seq.prompt_len
             self.resample[slot] = p.uses_penalties or p.structured_outputs is not None or bool(p.logit_bias)
             bias = p.logit_bias or {}
             self.bias_ids[slot], self.bias_values[slot] = -1, 0.0
@@ -191,8 +193,8 @@ class SlotTable:
             self.num_blocks[slot] = want
         return slot
 
-    def release(self, seq: Sequence) -> None:
-        slot = self.slot_of.pop(seq.seq_id, None)
+    def release(self, seq_id: int) -> None:
+        slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
             self.free.append(slot)
 
@@ -276,8 +278,9 @@ class ModelRunner:
         self.weights, self.state_def = jax.tree.flatten(params)
         self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
         self.seq_buckets = buckets(max_num_seqs, 1)
-        # Block-table columns (both attention implementations read only the pages a batch uses).
-        self.width_buckets = buckets(self.max_blocks, min(4, self.max_blocks), factor=4)
+        # Block-table columns (both attention implementations read only the pages a batch uses); below
+        # 16 pages a narrower table saves less than its compiled shapes cost at start-up.
+        self.width_buckets = buckets(self.max_blocks, min(16, self.max_blocks), factor=4)
         self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
         self.num_compilations = 0
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
@@ -308,18 +311,19 @@ class ModelRunner:
             return fn(*args, **kwargs)
 
     def _meta(
-        self, inputs: dict, kv_lens: jax.Array, slots: jax.Array, max_q_len: int, q_pos: jax.Array | None = None
+        self, inputs: StepInputs, kv_lens: jax.Array, slots: jax.Array, max_q_len: int, q_pos: jax.Array | None = None
     ) -> PagedMetadata:
-        plan = inputs.get("plan")
+        plan = inputs.plan
         if plan is not None and q_pos is not None:
             plan = dataclasses.replace(plan, q_pos=q_pos[:, None])
-        tables, cu = inputs["block_tables"], inputs["cu_q_lens"]
-        return PagedMetadata(slots, tables, cu, kv_lens, max_q_len, plan=plan, work=inputs.get("work"))
+        return PagedMetadata(
+            slots, inputs.block_tables, inputs.cu_q_lens, kv_lens, max_q_len, plan=plan, work=inputs.work
+        )
 
     @staticmethod
-    def _input_ids(inputs: dict, prev_tokens: jax.Array) -> jax.Array:
-        prev = inputs["prev_index"]
-        return jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], inputs["input_ids"])
+    def _input_ids(inputs: StepInputs, prev_tokens: jax.Array) -> jax.Array:
+        prev = inputs.prev_index
+        return jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], inputs.input_ids)
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
         return jnp.zeros((self.max_num_seqs,), jnp.int32).at[: tokens.shape[0]].set(tokens)
@@ -352,13 +356,13 @@ class ModelRunner:
 
     def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
         model, stack = self._model(state)
-        meta = self._meta(inputs, inputs["kv_lens"], inputs["slot_mapping"], max_q_len)
+        meta = self._meta(inputs, inputs.kv_lens, inputs.slot_mapping, max_q_len)
         ids = self._input_ids(inputs, prev_tokens)
-        h, caches = model.hidden_states(ids[None], inputs["positions"][None], meta, caches, stack)
+        h, caches = model.hidden_states(ids[None], inputs.positions[None], meta, caches, stack)
         h = h[0]
-        logits = model.logits(h[inputs["logits_indices"]])
+        logits = model.logits(h[inputs.logits_indices])
         out = sample(logits, sampling, eos_ids=self.eos_token_ids)
-        targets = inputs["prompt_targets"]
+        targets = inputs.prompt_targets
         t = targets.shape[0]
         zeros = lambda: (
             jnp.zeros((t,), jnp.float32),
@@ -391,16 +395,17 @@ class ModelRunner:
         return self._sharded(self._decode_loop, state, caches, inputs, sampling, prev_tokens, budget, num_steps)
 
     def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, num_steps):
-        """Up to num_steps decode steps; a row stops at EOS, a stop id or its budget (as the host
-        checks), and the loop ends early once every row has stopped. Tokens [K, S], -1 where none."""
+        """Up to num_steps decode steps; a row stops by the host's stop rule (`stops`) or at its budget,
+        and the loop ends early once every row has stopped. Tokens [K, S], -1 where none, and each
+        row's last token (padded to max_num_seqs: what the next step feeds from the device)."""
         model, stack = self._model(state)
         s = budget.shape[0]
         eos = jnp.asarray(self.eos_token_ids or (-1,), jnp.int32)
         rows = jnp.arange(s)
-        positions0, kv0, tables = inputs["positions"], inputs["kv_lens"], inputs["block_tables"]
+        positions0, kv0, tables = inputs.positions, inputs.kv_lens, inputs.block_tables
 
         def body(carry):
-            i, ids, active, caches, acc = carry
+            i, ids, last, active, caches, acc = carry
             pos = positions0 + i
             block = tables[rows, jnp.minimum(pos // self.block_size, tables.shape[1] - 1)]
             slots = jnp.where(active, block * self.block_size + pos % self.block_size, -1)
@@ -408,17 +413,15 @@ class ModelRunner:
             h, caches = model.hidden_states(ids[None], pos[None], meta, caches, stack)
             t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
             out = sample(model.logits(h[0]), t, eos_ids=self.eos_token_ids)
-            produced = t.out_pos + 1
-            stop_token = (jnp.any(out.tokens[:, None] == eos[None, :], axis=1) & ~t.ignore_eos) | jnp.any(
-                out.tokens[:, None] == t.stop_ids, axis=1
-            )
-            stopped = ((produced >= t.min_tokens) & stop_token) | (i + 1 >= budget)
+            is_eos = jnp.any(out.tokens[:, None] == eos[None, :], axis=1)
+            is_stop_id = jnp.any(out.tokens[:, None] == t.stop_ids, axis=1)
+            stopped = stops(is_eos, is_stop_id, t.out_pos + 1, t.min_tokens, ~t.ignore_eos) | (i + 1 >= budget)
             acc = jax.tree.map(
                 lambda a, x: a.at[i].set(x),
                 acc,
                 (jnp.where(active, out.tokens, -1), out.logprob, out.top_ids, out.top_logprobs),
             )
-            return i + 1, out.tokens, active & ~stopped, caches, acc
+            return i + 1, out.tokens, jnp.where(active, out.tokens, last), active & ~stopped, caches, acc
 
         acc = (
             jnp.full((num_steps, s), -1, jnp.int32),
@@ -426,24 +429,26 @@ class ModelRunner:
             jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.int32),
             jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.float32),
         )
-        init = (jnp.int32(0), self._input_ids(inputs, prev_tokens), budget > 0, caches, acc)
-        _, _, _, caches, (tokens, lp, top_ids, top_lp) = jax.lax.while_loop(
-            lambda c: (c[0] < num_steps) & jnp.any(c[2]), body, init
+        ids = self._input_ids(inputs, prev_tokens)
+        init = (jnp.int32(0), ids, ids, budget > 0, caches, acc)
+        _, _, last, _, caches, (tokens, lp, top_ids, top_lp) = jax.lax.while_loop(
+            lambda c: (c[0] < num_steps) & jnp.any(c[3]), body, init
         )
-        return SamplerOutput(tokens, lp, top_ids, top_lp), caches
+        return SamplerOutput(tokens, lp, top_ids, top_lp), self._padded(last), caches
 
     # --- host side --------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, num_steps: int = 1) -> StepBatch:
-        """Host arrays for one step (or a multi-step decode run when num_steps > 1)."""
-        scheduled = sched.scheduled
-        seqs = [s for s, _ in scheduled]
-        n_seq = len(seqs)
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """Host arrays for one step (or a multi-step decode loop), from the scheduler's output; rows of
+        sequences that left the batch are freed first."""
         table = self.slots
+        for seq_id in sched.finished:
+            table.release(seq_id)
+        for seq in sched.preempted:
+            table.release(seq.seq_id)
+        seqs, num_steps = sched.seqs, sched.num_steps
+        n_seq = len(seqs)
         rows = np.fromiter((table.row(s) for s in seqs), np.int32, n_seq)
-        counts = np.fromiter((n for _, n in scheduled), np.int32, n_seq)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n_seq)
-        pending = np.fromiter((s.num_pending for s in seqs), np.int32, n_seq)
-        num_tokens = np.fromiter((len(s.tokens) for s in seqs), np.int32, n_seq) + pending
+        counts, starts, pending, num_tokens = sched.num_new, sched.num_computed, sched.num_pending, sched.num_tokens
         n_tok = int(counts.sum())
         decode_only = int(counts.max(initial=0)) <= 1
         # Decodes: one token per sequence slot; batches with a prompt chunk: token buckets, every sequence slot.
@@ -461,12 +466,12 @@ class ModelRunner:
         input_ids = np.zeros(tb, np.int32)
         prev_index = np.full(tb, -1, np.int32)
         if decode_only:  # each sequence feeds its last token, or the one still on the device
-            input_ids[:n_seq] = [0 if s.num_pending else s.tokens[-1] for s in seqs]
-            if pending.any():
-                prev_index[:n_seq][pending > 0] = [self.prev_rows[s.seq_id] for s in seqs if s.num_pending]
+            has_prev = pending > 0
+            input_ids[:n_seq] = [0 if p else s.tokens[-1] for s, p in zip(seqs, has_prev.tolist())]
+            if has_prev.any():
+                prev_index[:n_seq][has_prev] = [self.prev_rows[s.seq_id] for s, p in zip(seqs, has_prev) if p]
         else:
-            for i, (s, n) in enumerate(scheduled):
-                start = s.num_computed_tokens
+            for i, (s, n, start) in enumerate(zip(seqs, counts.tolist(), starts.tolist())):
                 if start + n <= len(s.tokens):
                     input_ids[cu[i] : cu[i] + n] = s.tokens[start : start + n]
                 else:  # a decode of the token the previous step is still sampling on the device
@@ -480,71 +485,55 @@ class ModelRunner:
         logits_indices[:n_seq] = cu[1 : n_seq + 1] - 1
         out_pos = num_tokens - table.prompt_len[rows]
         max_q_len = 1 if decode_only else tb
-        inputs: dict[str, Any] = dict(
-            input_ids=input_ids,
-            prev_index=prev_index,
-            positions=positions,
-            slot_mapping=slots,
-            block_tables=block_tables,
-            cu_q_lens=cu,
-            kv_lens=kv_lens,
-            logits_indices=logits_indices,
-        )
+        targets = None
         prompt_logprobs = False
         if num_steps == 1:
             targets = np.full(tb, -1, np.int32)
             if table.prompt_logprobs[rows].any():
-                for i, (s, n) in enumerate(scheduled):
-                    if s.wants_prompt_logprobs and s.num_computed_tokens < s.prompt_len:
-                        nxt = s.tokens[s.num_computed_tokens + 1 : min(s.num_computed_tokens + n + 1, s.prompt_len)]
+                for i, (s, n, start) in enumerate(zip(seqs, counts.tolist(), starts.tolist())):
+                    if s.wants_prompt_logprobs and start < s.prompt_len:
+                        nxt = s.tokens[start + 1 : min(start + n + 1, s.prompt_len)]
                         targets[cu[i] : cu[i] + len(nxt)] = nxt
                         prompt_logprobs = True
-            inputs["prompt_targets"] = targets
-        batch = StepBatch(
-            seqs,
-            starts,
-            counts,
-            starts + counts >= num_tokens,
-            inputs,
-            table.sampling(rows, sb, out_pos),
-            max_q_len,
-            num_steps,
-            prompt_logprobs=prompt_logprobs,
+        budget, plan_kv = None, kv_lens
+        if sched.budgets is not None:
+            budget = np.zeros(sb, np.int32)
+            budget[:n_seq] = sched.budgets
+            plan_kv = kv_lens + np.maximum(budget - 1, 0)  # pages up to the last token the loop may write
+        inputs = StepInputs(
+            input_ids,
+            prev_index,
+            positions,
+            slots,
+            block_tables,
+            cu,
+            kv_lens,
+            logits_indices,
+            targets,
+            **self._work_tiles(cu, block_tables, plan_kv, tb, max_q_len),
         )
-        plan_kv = kv_lens
-        if num_steps > 1:
-            left = np.minimum(self.max_model_len - num_tokens, table.max_output[rows] - out_pos)
-            batch.budget = np.zeros(sb, np.int32)
-            batch.budget[:n_seq] = np.clip(left, 0, num_steps)
-            plan_kv = kv_lens + np.maximum(batch.budget - 1, 0)  # pages up to the last token the loop may write
-        elif table.resample[rows].any():
+        sampling = table.sampling(rows, sb, out_pos)
+        batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs)
+        if budget is None and table.resample[rows].any():
             batch.history = self._history(seqs, sb)
             batch.bias = table.bias(rows, sb)
-            batch.grammar_rows = [
-                (s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None and batch.samples[i]
-            ]
-        self._add_work_tiles(inputs, plan_kv, tb, max_q_len)
+            samples = sched.samples
+            batch.grammar_rows = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None and samples[i]]
         return batch
 
-    def _add_work_tiles(self, inputs: dict[str, Any], kv_lens: np.ndarray, tb: int, max_q_len: int) -> None:
+    def _work_tiles(
+        self, cu: np.ndarray, block_tables: np.ndarray, kv_lens: np.ndarray, tb: int, max_q_len: int
+    ) -> dict[str, Any]:
         """The attention's work tiles, built here on the host: a tile plan (XLA) or a work list (Pallas)."""
-        cu = inputs["cu_q_lens"]
         if self.attn_impl == "xla":
             tokens = tile_tokens(max_q_len, tb)
-            inputs["plan"] = tile_plan(cu, kv_lens, inputs["block_tables"], self.block_size, tb, tokens, np)
-        elif self.attn_impl == "pallas":
+            return {"plan": tile_plan(cu, kv_lens, block_tables, self.block_size, tb, tokens, np)}
+        if self.attn_impl == "pallas":
             pool = self.kv_cache.k
             group = self.cfg.num_heads // self.cfg.num_kv_heads
             tokens = kernel_tile_tokens(group, pool.shape[-1], max_q_len, is_quantized_kv(pool.dtype))
-            inputs["work"] = kernel_work_list(cu, tb, tokens, np)
-
-    def budget(self, seq: Sequence) -> int:
-        """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
-        return max(min(self.max_model_len - seq.num_tokens, seq.max_output - seq.num_output_tokens), 0)
-
-    def release(self, seq: Sequence) -> None:
-        """The sequence left the running batch (finished, aborted or preempted): free its slot row."""
-        self.slots.release(seq)
+            return {"work": kernel_work_list(cu, tb, tokens, np)}
+        return {}
 
     def _history(self, seqs: list[Sequence], sb: int) -> tuple[np.ndarray, np.ndarray]:
         history = np.full((sb, self.max_model_len), -1, np.int32)
@@ -556,12 +545,13 @@ class ModelRunner:
 
     def dispatch(self, batch: StepBatch) -> InFlight:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
-        if batch.num_steps > 1:
+        seqs = batch.sched.seqs
+        if batch.budget is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
-            out, self.kv_cache = self._multi(
-                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
+            out, self.prev_tokens, self.kv_cache = self._multi(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
             )
-            self.prev_tokens, self.prev_rows = self._no_prev, {}
+            self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
             return InFlight(batch, out, ())
         buffers, layout = pack((batch.inputs, batch.sampling))
         out, padded, logits, prompt, self.kv_cache = self._step(
@@ -577,15 +567,15 @@ class ModelRunner:
             buffers, layout = pack((batch.sampling, *batch.history, bitmask, *bias))
             out, padded = self._resample(logits, buffers, layout=layout)
         self.prev_tokens = padded
-        self.prev_rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
+        self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
         return InFlight(batch, out, prompt)
 
     def compiled_text(self, batch: StepBatch) -> str:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
-        if batch.num_steps > 1:
+        if batch.budget is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
             lowered = self._multi.lower(
-                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.num_steps
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
             )
         else:
             buffers, layout = pack((batch.inputs, batch.sampling))
@@ -593,10 +583,6 @@ class ModelRunner:
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
             )
         return lowered.compile().as_text() or ""
-
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        """Prepare, run and fetch one step synchronously."""
-        return self.dispatch(self.prepare(sched)).fetch()
 
     # --- warm-up ----------------------------------------------------------------------------------
     def shapes(self) -> list[tuple[int, int, int, int]]:
@@ -607,26 +593,23 @@ class ModelRunner:
 
     def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         """An empty batch of the given shape (what warm-up compiles)."""
-        inputs: dict[str, Any] = dict(
-            input_ids=np.zeros(tb, np.int32),
-            prev_index=np.full(tb, -1, np.int32),
-            positions=np.zeros(tb, np.int32),
-            slot_mapping=np.full(tb, -1, np.int32),
-            block_tables=np.zeros((sb, width), np.int32),
-            cu_q_lens=np.zeros(sb + 1, np.int32),
-            kv_lens=np.zeros(sb, np.int32),
-            logits_indices=np.zeros(sb, np.int32),
+        cu, tables, kv_lens = np.zeros(sb + 1, np.int32), np.zeros((sb, width), np.int32), np.zeros(sb, np.int32)
+        inputs = StepInputs(
+            np.zeros(tb, np.int32),
+            np.full(tb, -1, np.int32),
+            np.zeros(tb, np.int32),
+            np.full(tb, -1, np.int32),
+            tables,
+            cu,
+            kv_lens,
+            np.zeros(sb, np.int32),
+            np.full(tb, -1, np.int32) if num_steps == 1 else None,
+            **self._work_tiles(cu, tables, kv_lens, tb, q),
         )
-        if num_steps == 1:
-            inputs["prompt_targets"] = np.full(tb, -1, np.int32)
-        self._add_work_tiles(inputs, inputs["kv_lens"], tb, q)
         empty = np.zeros(0, np.int32)
-        batch = StepBatch(
-            [], empty, empty, np.zeros(0, bool), inputs, self.slots.sampling(empty, sb, empty), q, num_steps
-        )
-        if num_steps > 1:
-            batch.budget = np.zeros(sb, np.int32)
-        return batch
+        sched = SchedulerOutput([], empty, empty, empty, empty, num_steps=num_steps)
+        budget = np.zeros(sb, np.int32) if num_steps > 1 else None
+        return StepBatch(sched, inputs, self.slots.sampling(empty, sb, empty), q, budget)
 
     def warmup(self) -> None:
         """Compile every step shape (`shapes()`), the resampler per sequence bucket and, with

@@ -1,4 +1,9 @@
-"""Continuous-batching scheduler with chunked prefill and recompute preemption (vLLM V1 style)."""
+"""Continuous-batching scheduler with chunked prefill and recompute preemption (vLLM V1 style).
+
+It owns request state: `schedule()` decides what each sequence computes next and hands the runner
+plain data (`SchedulerOutput`); `update_from_output()` is the one place where a step's results
+change that state (tokens appended, stop rules, counters, prefix-cache keys, finishing and freeing).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,71 @@ import collections
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from serve.core_types import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from serve.kv_cache import BlockManager
+from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
+
+LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
+Logprob = tuple[float, np.ndarray, np.ndarray]  # one position's: log p(token), top ids, top logprobs
 
 
 @dataclasses.dataclass
+class CoreRequest:
+    request: EngineCoreRequest
+    seqs: list[Sequence]
+    pending: list[Sequence]  # siblings (n > 1) admitted once the first has prefilled the prompt
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(s.is_finished for s in self.seqs)
+
+
+@dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]]  # (sequence, new tokens computed this step)
-    preempted: list[Sequence]
+    """One step as data: the sequences in row order and, per row, counts taken when it was scheduled.
+
+    A decode loop (num_steps > 1) runs up to `budgets` steps per row; the scheduler counts every row
+    as making its whole budget (a row stops early only by finishing), so the next step is scheduled
+    while the loop runs. `finished` and `preempted` rows left the batch since the last step."""
+
+    seqs: list[Sequence]
+    num_new: np.ndarray  # tokens each row computes this step
+    num_computed: np.ndarray  # tokens each had in the KV cache before
+    num_tokens: np.ndarray  # tokens each had (known and on the device) before
+    num_pending: np.ndarray  # of which still on the device
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    finished: list[int] = dataclasses.field(default_factory=list)  # seq ids
+    num_steps: int = 1
+    budgets: np.ndarray | None = None  # decode loop: tokens each row may make
 
     @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    def samples(self) -> np.ndarray:
+        """bool per row: its prompt is done, so it samples a token."""
+        return self.num_computed + self.num_new >= self.num_tokens
 
     @property
-    def decode_only(self) -> bool:
-        return all(n == 1 for _, n in self.scheduled)
+    def total_tokens(self) -> int:
+        return int(self.num_new.sum())
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host copies of what a step produced, rows in scheduled order; a decode loop's are [K, S, ...]."""
+
+    tokens: np.ndarray
+    logprobs: LogprobArrays | None = None  # sampled tokens': [S], [S, MAX_LOGPROBS] x 2
+    prompt_logprobs: LogprobArrays | None = None  # per prompt token: log p(next prompt token), top ids, top
 
 
 def _rank(seq: Sequence) -> Any:
     return seq.rank
+
+
+def token_logprobs(token: int, lp: Logprob, k: int) -> TokenLogprobs:
+    return TokenLogprobs(int(token), float(lp[0]), lp[1][:k].tolist(), lp[2][:k].tolist())
 
 
 class Scheduler:
@@ -38,7 +88,8 @@ class Scheduler:
 
     Asynchronous scheduling: a running sequence whose last sampled token is still on the device is
     scheduled for it (the runner feeds it from the device); a waiting one is not admitted until its
-    tokens are known, and one that has reached max_tokens is not scheduled again."""
+    tokens are known, and one that has reached max_tokens is not scheduled again. A decode-only
+    batch with nothing waiting runs `num_scheduler_steps` steps in one jitted loop."""
 
     def __init__(
         self,
@@ -47,15 +98,30 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        *,
+        max_model_len: int = 2**31 - 1,
+        eos_token_ids: tuple[int, ...] = (),
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.by_priority = policy == "priority"
+        self.max_model_len = max_model_len
+        self.eos_set = frozenset(eos_token_ids)
+        self.num_scheduler_steps = num_scheduler_steps
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.requests: dict[str, CoreRequest] = {}
+        self.finished_ids: list[int] = []  # left the batch since the last schedule()
         self.num_preemptions = 0
+        self.now = 0.0  # set by the engine before each schedule(): first-scheduled times
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add_request(self, req: CoreRequest) -> None:
+        self.requests[req.request.request_id] = req
+        self.add(req.seqs[0])
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
@@ -66,20 +132,43 @@ class Scheduler:
         else:
             self.waiting.append(seq)
 
+    def abort(self, rid: str, index: int = -1) -> None:
+        """Stop a request (index -1) or one of its sequences now and free its blocks."""
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        for seq in req.seqs if index < 0 else req.seqs[index : index + 1]:
+            if seq in req.pending:
+                req.pending.remove(seq)
+                seq.status = Status.FINISHED
+            elif not seq.is_finished:
+                self.remove(seq)
+            seq.finish_reason = seq.finish_reason or "abort"
+        if req.finished:
+            del self.requests[rid]
+
     def remove(self, seq: Sequence) -> None:
-        """Drop a sequence (finished or aborted) and free its blocks."""
+        """Drop a sequence (finished or aborted) and free its blocks; the runner frees its row at the
+        next step."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         self.bm.free(seq)
         seq.status = Status.FINISHED
+        self.finished_ids.append(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
         self.num_preemptions += 1
         self.add(seq, front=True)
 
+    def needs_sync(self) -> bool:
+        """A running sequence whose last token is still on the device needs it on the host before it is
+        scheduled: penalties read the host-built history, a structured output its matcher."""
+        return any(s.num_pending and (s.params.uses_penalties or s.matcher is not None) for s in self.running)
+
+    # --- scheduling -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
@@ -126,4 +215,151 @@ class Scheduler:
                 self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
-        return SchedulerOutput(scheduled, preempted)
+        return self._output(scheduled, preempted)
+
+    def budget(self, seq: Sequence) -> int:
+        """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
+        return max(min(self.max_model_len - seq.num_tokens, seq.max_output - seq.num_output_tokens), 0)
+
+    def _decode_steps(self, scheduled: list[tuple[Sequence, int]]) -> int:
+        """How many decode steps to run in one jitted loop: num_scheduler_steps when the batch is
+        decode-only, nothing waits, no sequence needs penalties or a token mask or streams (output
+        kind "delta", as the server's streams: each token reaches the client as it is made, not in
+        a loop's burst), and the pool has the blocks."""
+        k = self.num_scheduler_steps
+        if k == 1 or self.waiting or any(n != 1 for _, n in scheduled):
+            return 1
+        if any(
+            s.params.uses_penalties
+            or s.matcher is not None
+            or s.params.output_kind == "delta"
+            or len(s.params.stop_token_ids) > MAX_BANNED_STOP_IDS
+            for s, _ in scheduled
+        ):
+            return 1
+        for s, _ in scheduled:
+            if not self.bm.allocate_slots(s, min(k, self.budget(s))):
+                return 1
+        return k
+
+    def _output(self, scheduled: list[tuple[Sequence, int]], preempted: list[Sequence]) -> SchedulerOutput:
+        """The step as data, then the state it implies: computed and pending counts advanced (a loop's
+        rows by their whole budgets), and the blocks the step fills keyed for the prefix cache (any
+        step that reads them runs after it)."""
+        n = len(scheduled)
+        seqs = [s for s, _ in scheduled]
+        num_steps = self._decode_steps(scheduled) if scheduled else 1
+        sched = SchedulerOutput(
+            seqs,
+            np.fromiter((c for _, c in scheduled), np.int32, n),
+            np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n),
+            np.fromiter((s.num_tokens for s in seqs), np.int32, n),
+            np.fromiter((s.num_pending for s in seqs), np.int32, n),
+            preempted,
+            self.finished_ids,
+            num_steps,
+        )
+        self.finished_ids = []
+        made = sched.samples.astype(np.int32)
+        if num_steps > 1:
+            made = np.minimum(np.fromiter((self.budget(s) for s in seqs), np.int32, n), num_steps)
+            sched = dataclasses.replace(sched, budgets=made)
+        bs = self.bm.block_size
+        for seq, new, m in zip(seqs, (sched.num_new if num_steps == 1 else made).tolist(), made.tolist()):
+            seq.first_scheduled = seq.first_scheduled or self.now
+            seq.num_computed_tokens += new
+            seq.num_pending += m
+            if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
+                self.bm.cache_full_blocks(seq)
+        return sched
+
+    # --- results ----------------------------------------------------------------------------------
+    def update_from_output(
+        self, sched: SchedulerOutput, res: StepResult, outputs: dict[Sequence, EngineCoreOutput]
+    ) -> None:
+        """Apply a step's results: each row's tokens appended and checked against the stop rules,
+        its pending count settled, finished sequences freed; what each produced goes to `outputs`."""
+        if res.prompt_logprobs is not None:
+            offsets = np.concatenate([[0], np.cumsum(sched.num_new)])
+            for i, seq in enumerate(sched.seqs):
+                if seq.wants_prompt_logprobs:
+                    self._collect_prompt_logprobs(
+                        seq,
+                        res.prompt_logprobs,
+                        int(sched.num_computed[i]),
+                        int(sched.num_new[i]),
+                        int(offsets[i]),
+                    )
+        loop = sched.budgets is not None
+        made = (sched.samples.astype(np.int32) if sched.budgets is None else sched.budgets).tolist()
+        tokens = res.tokens.T.tolist() if loop else res.tokens[:, None].tolist()
+        bs = self.bm.block_size
+        for i, (seq, m) in enumerate(zip(sched.seqs, made)):
+            if seq.is_finished:
+                continue
+            seq.num_pending -= m
+            for k, token in enumerate(tokens[i][:m]):
+                lp = None
+                if res.logprobs is not None:
+                    at = (k, i) if loop else (i,)
+                    lp = (res.logprobs[0][at], res.logprobs[1][at], res.logprobs[2][at])
+                if self._append(seq, token, lp, outputs):
+                    break
+            else:
+                if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
+                    self.bm.cache_full_blocks(seq)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, prompt: LogprobArrays, start: int, n: int, offset: int) -> None:
+        k = seq.params.prompt_logprobs or 0
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs = [None]
+        for j in range(start, start + n):
+            if j + 1 >= seq.prompt_len or len(seq.prompt_logprobs) != j + 1:
+                continue  # past the prompt, or already collected before a preemption
+            row = offset + j - start
+            seq.prompt_logprobs.append(
+                token_logprobs(seq.tokens[j + 1], (prompt[0][row], prompt[1][row], prompt[2][row]), k)
+            )
+
+    def _append(self, seq: Sequence, token: int, lp: Logprob | None, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
+        """Add a sampled token and check the stop rules (EOS and stop ids once min_tokens are out,
+        max_tokens, max_model_len, the grammar); True if the sequence finished."""
+        seq.tokens.append(token)
+        out = outputs.get(seq)
+        if out is not None:
+            out.new_token_ids.append(token)
+        else:
+            out = outputs[seq] = EngineCoreOutput(seq.request_id, seq.index, [token])
+            if not seq.started:
+                self._first_output(seq, out)
+        if lp is not None and seq.params.logprobs is not None:
+            out.new_logprobs = out.new_logprobs or []
+            out.new_logprobs.append(token_logprobs(token, lp, seq.params.logprobs))
+        grammar_error = grammar_done = False
+        if seq.matcher is not None:  # the mask allowed only what the grammar accepts: an error is a bug
+            grammar_error = not seq.matcher.consume_token(token) and token not in self.eos_set
+            grammar_done = seq.matcher.is_stopped()  # complete: nothing may follow (as vLLM ends it)
+        if grammar_error:
+            seq.finish_reason = "abort"
+        else:
+            seq.finish_reason, seq.stop_reason = seq.stop_check(token, self.eos_set, self.max_model_len, grammar_done)
+        if seq.finish_reason is None:
+            return False
+        out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+        self.remove(seq)
+        if self.requests[seq.request_id].finished:
+            del self.requests[seq.request_id]
+        return True
+
+    def _first_output(self, seq: Sequence, out: EngineCoreOutput) -> None:
+        """A sequence's first output carries its prompt's cache hits, schedule time and prompt
+        logprobs; the first sequence's also lets its siblings in (they share its prompt blocks)."""
+        seq.started = True
+        req = self.requests[seq.request_id]
+        out.num_cached_tokens, out.first_scheduled = seq.num_cached_tokens, req.seqs[0].first_scheduled
+        if seq.wants_prompt_logprobs:
+            out.prompt_logprobs = seq.prompt_logprobs
+        if seq.index == 0 and req.pending:
+            for sib in reversed(req.pending):
+                self.add(sib, front=True)
+            req.pending = []

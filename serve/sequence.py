@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
+from typing import Any, TypeVar
 
 from serve.sampling_params import INT32_MAX, SamplingParams
 
 _counter = itertools.count()
+
+Flag = TypeVar("Flag", bool, Any)  # a Python bool on the host, a boolean array on the device
+
+
+def stops(is_eos: Flag, is_stop_id: Flag, produced: Any, min_tokens: Any, check_eos: Flag) -> Flag:
+    """The stop rule on token ids, one for the host and the device's decode loop: EOS (unless
+    ignored) or a stop token id, once min_tokens tokens are out."""
+    return (produced >= min_tokens) & ((is_eos & check_eos) | is_stop_id)
 
 
 class Status(enum.Enum):
@@ -54,6 +62,7 @@ class Sequence:
         self.stop_reason: int | None = None  # the stop token id (stop strings are the frontend's)
         self.prompt_logprobs: list = []
         self.started = False  # has sent an output
+        self.first_scheduled: float | None = None
         self.matcher: Any = None  # structured outputs: the llguidance matcher following its output
         # the stop rules, read every step
         self.max_output = INT32_MAX if params.max_tokens is None else params.max_tokens
@@ -78,7 +87,18 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.index == 0
 
-    @property
-    def done_generating(self) -> bool:
-        """Every token it may produce is known or in flight (max_tokens reached): nothing to schedule."""
-        return len(self.tokens) + self.num_pending - self.prompt_len >= self.max_output
+    def stop_check(
+        self, token: int, eos: frozenset[int], max_model_len: int, complete: bool
+    ) -> tuple[str | None, int | None]:
+        """(finish reason, stop token id) after `token` was appended, or (None, None): EOS or a stop
+        id (the rule the device loop applies, `stops`), a complete grammar (`complete`), max_tokens,
+        max_model_len."""
+        produced = len(self.tokens) - self.prompt_len
+        is_eos = token in eos
+        if stops(is_eos, token in self.stop_ids, produced, self.min_tokens, self.check_eos):
+            return "stop", None if is_eos and self.check_eos else token
+        if complete:
+            return "stop", None
+        if produced >= self.max_output or len(self.tokens) >= max_model_len:
+            return "length", None
+        return None, None

@@ -57,23 +57,26 @@ def test_freed_cached_blocks_are_evicted_least_recent_first_and_forgotten():
     assert bm.allocate_prefix(_seq([1, 2, 3])) == 0
 
 
+def _rows(out):
+    return list(zip(out.seqs, out.num_new.tolist()))
+
+
 def test_scheduler_budget_chunking_and_preemption():
+    """The scheduler counts what it schedules as computed, and a finished prompt's token as pending."""
     bm = BlockManager(6, 4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
     a, b = _seq(range(10)), _seq(range(100, 105))
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
-    assert [(s is a, n) for s, n in out.scheduled] == [(True, 8)]  # a's first chunk uses the budget
-    a.num_computed_tokens = 8
+    assert _rows(out) == [(a, 8)] and (a.num_computed_tokens, a.num_pending) == (8, 0)  # the budget's first chunk
     out = sched.schedule()
-    assert [(s, n) for s, n in out.scheduled] == [(a, 2), (b, 5)]
-    a.num_computed_tokens, b.num_computed_tokens = 10, 5
+    assert _rows(out) == [(a, 2), (b, 5)] and (a.num_pending, b.num_pending) == (1, 1)
+    a.num_pending = b.num_pending = 0  # the step's results: a's token, and b's (and two more)
     a.tokens.append(1)
     b.tokens += [2, 3, 4]  # b needs a third block; a holds 3 of 6, b 2, one free
-    b.num_computed_tokens = 5
     out = sched.schedule()
-    assert out.preempted == [] and {s for s, _ in out.scheduled} == {a, b}
+    assert out.preempted == [] and set(out.seqs) == {a, b}
     bm.check_invariants(sched.running)
 
 
@@ -144,13 +147,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        out = self.sched.schedule()
-        assert out.num_tokens <= 8 and len(self.sched.running) <= 3
-        for seq, n in out.scheduled:
-            assert seq.status is Status.RUNNING and len(seq.block_ids) * 4 >= seq.num_computed_tokens + n
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+        out = self.sched.schedule()  # counts what it schedules as computed
+        assert out.total_tokens <= 8 and len(self.sched.running) <= 3
+        for seq in out.seqs:
+            assert seq.status is Status.RUNNING and len(seq.block_ids) * 4 >= seq.num_computed_tokens
+            if seq.num_pending:  # its prompt is done: the step sampled a token
+                seq.num_pending = 0
                 seq.tokens.append(5)
                 if seq.num_tokens >= 32:
                     self.sched.remove(seq)

@@ -199,7 +199,7 @@ def test_compiled_steps_never_copy_a_kv_pool():
     for batch in batches:
         lines = runner.compiled_text(batch).splitlines()
         copies = [line for line in lines if " copy(" in line and any(pool in line for pool in pools)]
-        assert not copies, (batch.inputs["input_ids"].shape, copies[:2])
+        assert not copies, (batch.inputs.input_ids.shape, copies[:2])
 
 
 _CACHE_RUN = """

@@ -7,6 +7,7 @@ import msgspec
 
 from serve.config import EngineArgs
 from serve.sampling_params import SamplingParams
+from serve.spec_decode.stats import SpecDecodingStats
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
@@ -56,6 +57,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_free_blocks: int
     num_blocks: int
     num_compilations: int
+    spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters, when on
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

@@ -14,6 +14,7 @@ from serve.core_types import SchedulerStats
 from serve.live_stats import LiveStats
 from serve.output_processor import RequestIteration
 from serve.sampling_params import SamplingParams
+from serve.spec_decode.metrics import SpecDecodeCounters
 
 LATENCY_BUCKETS = (
     0.001,
@@ -98,6 +99,7 @@ class ServerMetrics:
         )
         self.max_tokens = hist("request_params_max_tokens", "Each request's max_tokens.", TOKEN_BUCKETS)
         self.params_n = hist("request_params_n", "Each request's n (sequences per prompt).", N_BUCKETS)
+        self.spec_decode = SpecDecodeCounters(r, prefix, model_name)
         self.model_name = model_name
         self.live = LiveStats()
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
@@ -138,6 +140,8 @@ class ServerMetrics:
                     self._seen[key] = 0
                 metric.labels(self.model_name).inc(value - self._seen[key])
                 self._seen[key] = value
+            if stats.spec_decoding is not None:
+                self.spec_decode.observe(stats.spec_decoding)
         for it in iterations:
             m = it.metrics
             req = self._requests.get(it.request_id) or _Tracked("")

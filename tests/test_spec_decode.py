@@ -250,3 +250,30 @@ def test_samples_depend_on_the_row_not_the_batch():
     last = tensors(1, temperature=0.9, top_k=20, seed=b - 1 + 7, sibling=(b - 1) % 2)
     alone = _spec(drafts[-1:], probs[-1:], logits[-1:], last, None, None)
     assert np.array_equal(np.asarray(alone.tokens)[0], np.asarray(whole.tokens)[-1])
+
+
+# ---- counters on /metrics -----------------------------------------------------------------------
+
+
+def test_spec_decode_counters_on_metrics():
+    from serve.core_types import SchedulerStats
+    from serve.metrics import ServerMetrics
+    from serve.spec_decode import SpecDecodingStats
+
+    stats = SpecDecodingStats(3)
+    stats.observe(np.array([3, 2, 0, 3]), np.array([3, 1, 0, 0]))  # three drafts, 8 tokens, 4 accepted
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 8, 4)
+    assert stats.accepted_per_pos == [2, 1, 1] and stats.mean_acceptance_length == 1 + 4 / 3
+    metrics = ServerMetrics("m", prefix="vllm")
+    metrics.observe([], SchedulerStats(0, 0, 0.0, 0, 0, 0, 8, 8, 0, stats))
+    stats.observe(np.array([1]), np.array([1]))
+    metrics.observe([], SchedulerStats(0, 0, 0.0, 0, 0, 0, 8, 8, 0, stats))
+    text = metrics.render().decode()
+    for line in (
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 4.0',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 9.0',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 3.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0',
+    ):
+        assert line in text, line

@@ -55,3 +55,12 @@ class NgramProposer:
         valid = found[:, None] & (at < limit[:, None])
         drafts = np.take_along_axis(tokens, np.minimum(at, width - 1), axis=1)
         return np.where(valid, drafts, -1).astype(np.int32)
+
+    def propose_lists(self, histories: list[list[int]], max_new: list[int]) -> list[list[int]]:
+        """`propose` for token lists (the scheduler's sequences): each row's draft, at most max_new[b]."""
+        lengths = np.fromiter(map(len, histories), np.int64, len(histories))
+        tokens = np.full((len(histories), int(lengths.max(initial=1))), -1, np.int32)
+        for row, history in enumerate(histories):
+            tokens[row, : len(history)] = history
+        drafts = self.propose(tokens, lengths, np.asarray(max_new))
+        return [row[row >= 0].tolist() for row in drafts]

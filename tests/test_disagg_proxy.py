@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import time
 import types
 
@@ -158,3 +160,29 @@ def test_bad_body_is_an_openai_400(engines):
     _, _, url = engines
     r = httpx.post(url + "/v1/completions", content=b"[1, 2]", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["message"] == "request body must be a JSON object"
+
+
+@pytest.mark.slow
+def test_jaxinfra_serve_role_proxy_command():
+    """`python -m serve --role proxy` (what `jaxinfra serve` runs) as its own process."""
+    prefill, decode = FakeEngine("prefill0"), FakeEngine("decode0")
+    port = _free_port()
+    with serve_in_thread(prefill.app()) as p_url, serve_in_thread(decode.app()) as d_url:
+        cmd = [sys.executable, "-m", "serve", "--role", "proxy", "--prefill", p_url, "--decode", d_url]
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert _wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"), timeout=120), "no proxy"
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=30)
+            assert r.json()["choices"][0]["text"] == "decode0<-prefill0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    bad = subprocess.run([sys.executable, "-m", "serve", "--role", "proxy"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--prefill needs at least one URL" in bad.stderr
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -71,6 +71,7 @@ def test_shm_handle_mismatch_is_a_clear_error():
         ShmHandle.from_params({"segment": 3})
 
 
+@pytest.mark.slow
 def test_device_transfer_between_meshes_bitwise():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = ROOT / "tests/kv_transfer/device_check.py"

@@ -19,6 +19,7 @@ import yaml
 
 from jaxinfra.yaml_config import load_config
 from serve.async_engine import DEFAULT_RESTART_ATTEMPTS
+from serve.autoscale_args import add_autoscale_args
 from serve.config import EngineArgs
 from serve.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from serve.tool_parsers import TOOL_PARSERS
@@ -83,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY') on every route but "
         "/health, /metrics, /version, /ping",
+    )
+    p.add_argument(
+        "--role",
+        choices=("both", "proxy"),
+        default="both",
+        help="both: one engine serving whole requests; proxy: one endpoint over --prefill and --decode engines",
+    )
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="with --role proxy (repeatable)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="with --role proxy (repeatable)")
+    p.add_argument(
+        "--prefill-timeout", type=float, default=30.0, help="with --role proxy: seconds before a prefill is a 503"
     )
     p.add_argument(
         "--api-keys-file",
@@ -155,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bodies past this are answered 413 before they are parsed "
         "(default: room for a prompt of max-model-len tokens, 64 bytes each, + 256 KiB)",
     )
+    add_autoscale_args(p)
     _add_engine_flags(p)
     return p
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from serve.async_engine import AsyncEngine
+from serve.autoscale_args import pool_config_from
 from serve.http.app import build_app
 from serve.http.cli_args import build_parser, engine_args_from, name_flag
 from serve.http.drain import serve_draining
@@ -20,6 +21,16 @@ from serve.tool_parsers import ToolConfig
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
+    if args.role == "proxy" or args.prefill or args.decode:
+        from serve.kv_transfer.proxy import run_proxy
+
+        try:
+            if args.role != "proxy":
+                raise ValueError("--prefill and --decode go with --role proxy")
+            return run_proxy(args.prefill, args.decode, args.host, args.port, args.prefill_timeout)
+        except ValueError as e:
+            print(f"jaxinfra serve: error: {e}", file=sys.stderr)
+            return 2
     try:
         ServerMetrics.check_prefix(args.metrics_prefix)
         api_keys = load_keys_file(args.api_keys_file) if args.api_keys_file else None
@@ -27,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tools = ToolConfig(args.tool_call_parser, args.enable_auto_tool_choice)
         if args.replicas < 1 or (args.replicas > 1 and not args.ray):
             raise ValueError(f"--replicas must be 1, or at least 1 with --ray, got {args.replicas}")
+        pool = pool_config_from(args) if args.ray else None
         engine = (
             None
             if args.ray
@@ -52,18 +64,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
     )
     if engine is None:
-        from serve.ray_app import run
+        from serve.ray_app import ReplicaSpec, run
 
-        run(
+        spec = ReplicaSpec(
             engine_args,
-            args.replicas,
             server_kwargs,
-            host=args.host,
-            port=args.port,
-            address=args.ray_address,
+            args.metrics_prefix,
+            tools,
             warmup=not args.no_warmup,
-            gpus_per_replica=args.ray_gpus_per_replica,
+            cpus=0.5,
+            gpus=args.ray_gpus_per_replica,
         )
+        run(spec, args.replicas, pool, host=args.host, port=args.port, address=args.ray_address)
         return 0
     app = build_app(engine, **server_kwargs, metrics=ServerMetrics(name, prefix=args.metrics_prefix))
     app.state.server.tools = tools

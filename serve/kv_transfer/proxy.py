@@ -196,3 +196,13 @@ def _generating_route(proxy: Proxy, path: str) -> Callable[[Request], Awaitable[
         return await proxy.generate(request, path)
 
     return generate
+
+
+def run_proxy(prefill: list[str], decode: list[str], host: str, port: int, prefill_timeout: float) -> int:
+    """Serve the proxy until interrupted (`jaxinfra serve --role proxy`); a bad flag is a ValueError."""
+    import uvicorn
+
+    app = build_proxy_app(Proxy(prefill, decode, prefill_timeout=prefill_timeout))
+    print(f"proxy on http://{host}:{port}: prefill {', '.join(prefill)}; decode {', '.join(decode)}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+    return 0

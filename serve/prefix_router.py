@@ -78,7 +78,19 @@ class PrefixAwareRouter(RoundRobinRouter):
             n += 1
         return n
 
-    def choose(self, token_ids: list[int], salt: str | None = None) -> int:
+    def add_replica(self) -> int:
+        """A new replica's slot (replicas that come and go keep their slots' numbers)."""
+        self.in_flight.append(0)
+        self.cached.append(collections.OrderedDict())
+        self.num_replicas += 1
+        return self.num_replicas - 1
+
+    def forget(self, replica: int) -> None:
+        """The replica is gone: what it cached is too."""
+        self.cached[replica].clear()
+
+    def choose(self, token_ids: list[int], salt: str | None = None, among: list[int] | None = None) -> int:
+        """The best replica of `among` (default: all)."""
         hashes = prompt_block_hashes(token_ids, self.block_size, salt, self.max_blocks)
 
         def score(r: int) -> tuple[float, int, int]:
@@ -86,7 +98,7 @@ class PrefixAwareRouter(RoundRobinRouter):
             load = self.in_flight[r] / self.max_num_seqs
             return (self.prefix_weight * prefix - self.queue_weight * load, -self.in_flight[r], -r)
 
-        best = max(range(self.num_replicas), key=score)
+        best = max(range(self.num_replicas) if among is None else among, key=score)
         cache = self.cached[best]
         for h in hashes:
             cache[h] = None

@@ -1,54 +1,102 @@
-"""Ray Serve: N engine replicas behind one OpenAI-compatible ingress that routes by prefix cache.
+"""Ray Serve: engine replicas behind one OpenAI-compatible ingress that routes by prefix cache and
+scales them on the SLO.
 
 Each replica (`EngineReplica`, a Ray actor) holds a whole `jaxinfra serve` app (its engine core a
 child process) and answers raw HTTP requests through it, streaming the body back chunk by chunk;
 so every route, error and SSE stream is exactly the single server's. The ingress (`Ingress`, a
-FastAPI app under Ray Serve's proxy) picks a replica per request with `PrefixAwareRouter` (the
-prompt's block-hash chain against each replica's queue) and relays the response.
+FastAPI app under Ray Serve's proxy) owns the replicas through a `ReplicaPool`: it picks one per
+request with the prefix-aware router, retries on another replica a request whose replica died
+before its first body byte, and sizes the pool with the SLO autoscaler (serve/autoscale.py).
 
-    jaxinfra serve --ray --replicas 2 --model tiny-qwen3 [--ray-address ADDR] [--ray-gpus-per-replica 0.5]
+    jaxinfra serve --ray --replicas 2 --min-replicas 1 --max-replicas 4 --model tiny-qwen3
 
-Replicas are separate named deployments of one class so that the ingress, not Ray's power-of-two
-router, chooses among them. (No `from __future__ import annotations` here: FastAPI must see the
-ingress method's real `Request` type through Ray Serve's wrapper.)
+Replicas are actors of the ingress rather than one Ray Serve deployment so that the ingress, not
+Ray's power-of-two router and request-count autoscaler, chooses among them and sets their number.
+(No `from __future__ import annotations` here: FastAPI must see the ingress method's real
+`Request` type through Ray Serve's wrapper.)
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any, cast
 
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+import ray
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.actor import ActorHandle
 
 from serve.config import EngineArgs
-from serve.prefix_router import PrefixAwareRouter
+from serve.replica_pool import PoolConfig, ReplicaPool
+from serve.tool_parsers import ToolConfig
 
 HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+RETRIES = 3  # replicas a request may try when each dies before answering
 ingress_app = FastAPI(title="jaxinfra on Ray Serve")
 
 
-@serve.deployment
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """What every replica runs: the engine, `build_app`'s keywords, the metric prefix, tool
+    settings, and the resources its actor reserves."""
+
+    engine_args: EngineArgs
+    server_kwargs: dict[str, Any]
+    metrics_prefix: str = "jaxinfra"
+    tools: ToolConfig = dataclasses.field(default_factory=ToolConfig)
+    warmup: bool = True
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+
 class EngineReplica:
     """One engine and its HTTP app; `handle` runs one request through the app in-process."""
 
-    def __init__(self, engine_args: EngineArgs, server_kwargs: dict[str, Any], warmup: bool) -> None:
+    def __init__(self, spec: ReplicaSpec) -> None:
         from serve.async_engine import AsyncEngine
         from serve.http.app import build_app
+        from serve.metrics import ServerMetrics
 
-        self.app = build_app(AsyncEngine(engine_args, warmup=warmup), **server_kwargs)
+        self.server_metrics = ServerMetrics(spec.server_kwargs["model_name"], prefix=spec.metrics_prefix)
+        self.app = build_app(
+            AsyncEngine(spec.engine_args, warmup=spec.warmup), **spec.server_kwargs, metrics=self.server_metrics
+        )
+        self.app.state.server.tools = spec.tools
         self._lifespan: Any = None
+
+    async def ready(self) -> bool:
+        """Starts the app (the engine's supervisor) on this actor's loop; True once it serves."""
+        if self._lifespan is None:
+            self._lifespan = self.app.router.lifespan_context(self.app)
+            await self._lifespan.__aenter__()
+        return True
+
+    async def stop(self) -> None:
+        """Stops the engine (the pool calls this after draining the replica)."""
+        if self._lifespan is not None:
+            lifespan, self._lifespan = self._lifespan, None
+            await lifespan.__aexit__(None, None, None)
+
+    def metrics(self, look_back_s: float) -> dict[str, Any]:
+        """The last `look_back_s` seconds' TTFT and ITL samples, requests waiting, KV usage."""
+        live = self.server_metrics.live
+        since = live.clock() - look_back_s
+        stats = live.stats
+        return {
+            "ttft": [v for t, v in live.ttft if t >= since],
+            "itl": [v for t, v in live.itl if t >= since],
+            "num_waiting": stats.num_waiting if stats else 0,
+            "kv_usage": stats.kv_cache_usage if stats else 0.0,
+        }
 
     async def handle(
         self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> AsyncIterator[dict[str, Any] | bytes]:
         """Yields the response's {"status", "headers"} first, then its body chunks as they come."""
-        if self._lifespan is None:  # the app's startup (the engine's supervisor) on this actor's loop
-            self._lifespan = self.app.router.lifespan_context(self.app)
-            await self._lifespan.__aenter__()
+        await self.ready()
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -94,17 +142,33 @@ class EngineReplica:
             await asyncio.wait({task}, timeout=10)
 
 
+def unavailable(message: str) -> dict[str, Any]:
+    """The OpenAI error body for a request no replica can serve."""
+    return {"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}}
+
+
+def sse_error(message: str) -> bytes:
+    """The error event that ends a stream whose replica died mid-way (the openai client raises it)."""
+    return f"data: {json.dumps(unavailable(message))}\n\ndata: [DONE]\n\n".encode()
+
+
 @serve.deployment
 @serve.ingress(ingress_app)
 class Ingress:
-    """Relays every route to the replica the prefix-aware router picks for the request."""
+    """Relays every route to the replica the prefix-aware router picks, over a pool it sizes."""
 
-    def __init__(self, replicas: list[DeploymentHandle], engine_args: EngineArgs) -> None:
+    async def __init__(self, spec: ReplicaSpec, pool: PoolConfig, replicas: int) -> None:
         from jaxinfra.loading import load_tokenizer
 
-        self.replicas = replicas
-        self.tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-        self.router = PrefixAwareRouter(len(replicas), engine_args.block_size, max_num_seqs=engine_args.max_num_seqs)
+        args = spec.engine_args
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        actor_cls = ray.remote(EngineReplica)
+
+        def make_actor(name: str) -> ActorHandle:
+            return actor_cls.options(name=name, num_cpus=spec.cpus, num_gpus=spec.gpus).remote(spec)
+
+        self.pool = ReplicaPool(make_actor, pool, replicas, args.block_size, args.max_num_seqs)
+        await self.pool.start()
 
     def routing_tokens(self, path: str, body: bytes) -> tuple[list[int], str | None]:
         """The prompt's token ids (what the engine's prefix cache is keyed by) and its cache salt;
@@ -131,72 +195,65 @@ class Ingress:
             return [], None
         return [], None
 
+    @ingress_app.get("/ray/replicas")
+    async def replicas(self) -> JSONResponse:
+        """The pool: desired count, ready replicas and their requests in flight, starting, draining."""
+        return JSONResponse(self.pool.status())
+
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
-    async def relay(self, path: str, request: Request) -> StreamingResponse:
+    async def relay(self, path: str, request: Request) -> Response:
         path, body = request.url.path, await request.body()
         tokens, salt = self.routing_tokens(path, body)
-        r = self.router.choose(tokens, salt)
-        try:
-            handle = self.replicas[r].options(stream=True)
-            query, raw = request.url.query.encode(), request.headers.raw
-            stream = cast(DeploymentResponseGenerator, handle.handle.remote(request.method, path, query, raw, body))
-            head = await stream.__anext__()
-        except BaseException:
-            self.router.finished(r)
-            raise
+        query, raw = request.url.query.encode(), request.headers.raw
+        for _ in range(RETRIES):
+            try:
+                r, actor = self.pool.choose(tokens, salt)
+            except RuntimeError as e:
+                return JSONResponse(unavailable(str(e)), 503)
+            stream = actor.handle.options(num_returns="streaming").remote(request.method, path, query, raw, body)
+            try:
+                head = await (await stream.__anext__())
+                first = await (await stream.__anext__())
+            except StopAsyncIteration:
+                first = b""
+            except ray.exceptions.RayActorError:  # died before answering: nothing sent, try another
+                self.pool.finished(r)
+                self.pool.lost(r)
+                self.pool.retried += 1
+                continue
+            except BaseException:
+                self.pool.finished(r)
+                raise
+            break
+        else:
+            return JSONResponse(unavailable(f"{RETRIES} engine replicas died before answering"), 503)
+        headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
+        sse = headers.get("content-type", "").startswith("text/event-stream")
 
         async def rest() -> AsyncIterator[bytes]:
             try:
-                async for chunk in stream:
-                    yield chunk
+                yield first
+                async for ref in stream:
+                    yield await ref
+            except ray.exceptions.RayActorError:
+                self.pool.lost(r)
+                if sse:
+                    yield sse_error("the engine replica serving this stream died")
             finally:
-                self.router.finished(r)
+                self.pool.finished(r)
 
-        headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_HEADERS}
         return StreamingResponse(rest(), status_code=head["status"], headers=headers)
 
 
-def build_ray_app(
-    engine_args: EngineArgs,
-    replicas: int,
-    server_kwargs: dict[str, Any],
-    *,
-    warmup: bool = True,
-    cpus_per_replica: float = 1.0,
-    gpus_per_replica: float = 0.0,
-) -> serve.Application:
-    """The application: `replicas` engine deployments (each `gpus_per_replica` GPUs; a fraction
-    lets small models share a card) and the ingress over them."""
-    engines = [
-        cast(serve.Deployment, EngineReplica)
-        .options(
-            name=f"engine-{i}",
-            ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
-        )
-        .bind(engine_args, server_kwargs, warmup)
-        for i in range(replicas)
-    ]
-    return cast(serve.Deployment, Ingress).options(ray_actor_options={"num_cpus": 0}).bind(engines, engine_args)
+def build_ray_app(spec: ReplicaSpec, replicas: int, pool: PoolConfig) -> serve.Application:
+    """The ingress deployment, which starts `replicas` engine replicas (within the pool's bounds)
+    and scales them between its min and max."""
+    return cast(serve.Deployment, Ingress).options(ray_actor_options={"num_cpus": 0}).bind(spec, pool, replicas)
 
 
-def run(
-    engine_args: EngineArgs,
-    replicas: int,
-    server_kwargs: dict[str, Any],
-    *,
-    host: str,
-    port: int,
-    address: str | None,
-    warmup: bool,
-    gpus_per_replica: float,
-) -> None:
+def run(spec: ReplicaSpec, replicas: int, pool: PoolConfig, *, host: str, port: int, address: str | None) -> None:
     """`jaxinfra serve --ray`: join the cluster at `address` (or $RAY_ADDRESS; a local one is
     started without either), deploy, and serve on host:port until interrupted."""
-    import ray
-
     ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    app = build_ray_app(
-        engine_args, replicas, server_kwargs, warmup=warmup, cpus_per_replica=0.5, gpus_per_replica=gpus_per_replica
-    )
-    serve.run(app, name="jaxinfra", route_prefix="/", blocking=True)
+    serve.run(build_ray_app(spec, replicas, pool), name="jaxinfra", route_prefix="/", blocking=True)

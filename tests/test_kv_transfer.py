@@ -7,26 +7,17 @@ import json
 import os
 import subprocess
 import sys
-from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from serve.kv_transfer.offers import OfferTable
-from serve.kv_transfer.shm_transport import ShmHandle, read_blocks, release, write_blocks
+from serve.kv_transfer.shm_transport import ShmHandle, read_blocks, release, segment_exists, write_blocks
 from tests.kv_transfer.pools import blocks_of, random_pool
 
 ROOT = Path(__file__).parent.parent
 SRC_IDS, DST_IDS = [6, 1, 3], [5, 1, 3]
-
-
-def _segment_exists(name: str) -> bool:
-    try:
-        SharedMemory(name).close()
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def test_shm_blocks_cross_processes_bitwise():
@@ -37,7 +28,7 @@ def test_shm_blocks_cross_processes_bitwise():
     handles = json.loads(r.stdout.splitlines()[-1])
     for kind, params in handles.items():
         handle = ShmHandle.from_params(params)
-        assert _segment_exists(handle.segment)  # outlived its writer
+        assert segment_exists(handle.segment)  # outlived its writer
         dst = random_pool(kind, 1)
         untouched = blocks_of(dst, [0, 2, 4, 6, 7])
         dst = read_blocks(handle, dst, DST_IDS)
@@ -46,14 +37,14 @@ def test_shm_blocks_cross_processes_bitwise():
         for name in expected:
             np.testing.assert_array_equal(got[name], expected[name])
             np.testing.assert_array_equal(blocks_of(dst, [0, 2, 4, 6, 7])[name], untouched[name])
-        assert not _segment_exists(handle.segment)  # pulled: unlinked
+        assert not segment_exists(handle.segment)  # pulled: unlinked
         assert not release(handle)  # the owner's expiry finds nothing left to free
 
 
 def test_shm_expired_offer_is_unlinked_and_pull_fails_cleanly():
     handle = write_blocks(random_pool("bf16", 0), [2])
     assert release(handle)  # never pulled: the expiry frees it
-    assert not _segment_exists(handle.segment)
+    assert not segment_exists(handle.segment)
     with pytest.raises(FileNotFoundError):  # the decode side then recomputes
         read_blocks(handle, random_pool("bf16", 1), [4])
 
@@ -61,8 +52,8 @@ def test_shm_expired_offer_is_unlinked_and_pull_fails_cleanly():
 def test_shm_handle_mismatch_is_a_clear_error():
     handle = write_blocks(random_pool("int8", 0), [2, 3])
     try:
-        with pytest.raises(ValueError, match="2 blocks offered, 1 allocated"):
-            read_blocks(handle, random_pool("int8", 1), [4])
+        with pytest.raises(ValueError, match="2 blocks offered, 3 needed"):
+            read_blocks(handle, random_pool("int8", 1), [4], first=2)
         with pytest.raises(ValueError, match="do not fit this engine's KV pool"):
             read_blocks(handle, random_pool("bf16", 1), [4, 5])
     finally:

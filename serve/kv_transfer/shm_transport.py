@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from pallas_kernels import PagedKVCache
-from serve.kv_transfer.blocks import gather_blocks, pool_fields, scatter_blocks
+from serve.kv_transfer.blocks import block_axis, gather_blocks, pool_fields, scatter_blocks
 
 ALIGN = 64  # each array starts on a cache line
 
@@ -78,15 +78,18 @@ def write_blocks(pool: PagedKVCache, block_ids: list[int]) -> ShmHandle:
     return ShmHandle(shm.name, specs, len(block_ids))
 
 
-def read_blocks(handle: ShmHandle, pool: PagedKVCache, block_ids: list[int]) -> PagedKVCache:
-    """`pool` with the handle's blocks written at `block_ids`; the segment is unlinked (pulled).
-    FileNotFoundError if it is gone (expired): the caller recomputes instead."""
-    if len(block_ids) != handle.num_blocks:
-        raise ValueError(f"kv_transfer_params: {handle.num_blocks} blocks offered, {len(block_ids)} allocated")
+def read_blocks(handle: ShmHandle, pool: PagedKVCache, block_ids: list[int], first: int = 0) -> PagedKVCache:
+    """`pool` with the handle's blocks `first`, `first + 1`, ... written at `block_ids` (the ones before
+    `first` were in the local prefix cache); the segment is unlinked (pulled). FileNotFoundError if it
+    is gone (expired): the caller recomputes instead."""
+    if first < 0 or first + len(block_ids) > handle.num_blocks:
+        raise ValueError(f"kv_transfer_params: {handle.num_blocks} blocks offered, {first + len(block_ids)} needed")
     shm = _untracked(SharedMemory(handle.segment))
+    axis = block_axis(pool)
+    take = (slice(None),) * axis + (slice(first, first + len(block_ids)),)
     try:
         fields = {
-            s.field: jnp.asarray(np.ndarray(tuple(s.shape), jnp.dtype(s.dtype), shm.buf, s.offset))
+            s.field: jnp.asarray(np.ndarray(tuple(s.shape), jnp.dtype(s.dtype), shm.buf, s.offset)[take])
             for s in handle.arrays
         }
     finally:
@@ -107,4 +110,13 @@ def release(handle: ShmHandle) -> bool:
         return False
     shm.close()
     shm.unlink()
+    return True
+
+
+def segment_exists(name: str) -> bool:
+    """Whether the segment is still there (not yet pulled nor released)."""
+    try:
+        _untracked(SharedMemory(name)).close()
+    except FileNotFoundError:
+        return False
     return True

@@ -1,0 +1,163 @@
+"""The shared-memory KV connector: KVConnectorBase over shm_transport, for engines of one host.
+
+Prefill engine: a request sent with kv_transfer_params {"do_remote_decode": true} has its prompt's
+blocks copied to a shared memory segment in the step that computes the prompt; when it finishes,
+the segment is offered (OfferTable) and described in the kv_transfer_params it answers. The device
+blocks are free at once (the segment holds the copy); the segment is unlinked when its offer expires
+unless a decode engine pulled it first.
+
+Decode engine: a request whose kv_transfer_params describe a segment for its own prompt counts every
+prompt token but the last as computed remotely (the last is recomputed to sample the first token),
+loads the blocks its local prefix cache lacks before the step, and falls back to recomputing the
+prompt if the segment is gone or does not fit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import msgspec
+import numpy as np
+
+from pallas_kernels import PagedKVCache
+from serve.kv_transfer.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    LoadSpec,
+    PoolHolder,
+    Request,
+    SaveSpec,
+)
+from serve.kv_transfer.offers import OfferTable
+from serve.kv_transfer.shm_transport import ShmHandle, read_blocks, release, segment_exists, write_blocks
+
+
+def prompt_digest(tokens: list[int]) -> str:
+    """What ties an offer to its prompt: the decode engine never loads KV computed for other tokens."""
+    return hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).hexdigest()
+
+
+class RemotePrefill(msgspec.Struct):
+    """The kv_transfer_params a prefill engine answers: where the blocks are and which prompt they hold."""
+
+    handle: ShmHandle
+    num_tokens: int
+    digest: str
+
+
+class SharedMemoryConnector(KVConnectorBase):
+    """Both roles in one object: a prefill engine uses the save half, a decode engine the load half."""
+
+    def __init__(self, block_size: int, offer_timeout_s: float = 30.0) -> None:
+        self.block_size = block_size
+        self.offers = OfferTable(offer_timeout_s)
+        self.holder: PoolHolder | None = None
+        self.remote_decode: set[str] = set()  # prefill side: requests whose KV a decode engine will pull
+        self.saved: dict[str, RemotePrefill] = {}
+        self.pending_saves: list[SaveSpec] = []
+        self.remote: dict[str, RemotePrefill] = {}  # decode side: usable offers by request
+        self.pending_loads: list[LoadSpec] = []
+        self.loaded: set[str] = set()
+        self.failed: set[str] = set()
+        self.bytes_loaded = 0
+        self.blocks_loaded = 0
+
+    # --- scheduler side -----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            self.remote_decode.add(request.request_id)
+            return 0
+        if "handle" not in params:
+            return 0
+        try:
+            remote = msgspec.convert(params, RemotePrefill)
+        except msgspec.ValidationError:
+            return 0
+        prompt = request.tokens[: request.prompt_len]
+        if remote.num_tokens != request.prompt_len or remote.digest != prompt_digest(prompt):
+            return 0
+        self.remote[request.request_id] = remote
+        return max(request.prompt_len - 1 - num_computed_tokens, 0)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        remote = self.remote.pop(request.request_id, None)
+        if remote is None or num_external_tokens == 0:
+            return
+        end = request.prompt_len - 1
+        first = (end - num_external_tokens) // self.block_size
+        local = block_ids[first : math.ceil(end / self.block_size)]
+        self.pending_loads.append(LoadSpec(request.request_id, local, first, msgspec.to_builtins(remote.handle)))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Loads recorded since the last step; saves for remote-decode rows whose prompt ends this step."""
+        out = scheduler_output
+        for seq, computed, new in zip(out.seqs, out.num_computed, out.num_new, strict=True):
+            if seq.request_id in self.remote_decode and computed < seq.prompt_len <= computed + new:
+                blocks = seq.block_ids[: math.ceil(seq.prompt_len / self.block_size)]
+                digest = prompt_digest(seq.tokens[: seq.prompt_len])
+                self.pending_saves.append(SaveSpec(seq.request_id, blocks, seq.prompt_len, digest))
+                self.remote_decode.discard(seq.request_id)
+        meta = KVConnectorMetadata(self.pending_loads, self.pending_saves)
+        self.pending_loads, self.pending_saves = [], []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.remote_decode.discard(request.request_id)
+        remote = self.saved.pop(request.request_id, None)
+        if remote is None:
+            return False, None
+        self.offers.offer(request.request_id, list(range(remote.handle.num_blocks)), remote.handle)
+        return False, msgspec.to_builtins(remote)
+
+    # --- worker side --------------------------------------------------------------------------------
+    def register_kv_caches(self, pools: PoolHolder) -> None:
+        self.holder = pools
+
+    def _pools(self) -> PoolHolder:
+        if self.holder is None:
+            raise RuntimeError("register_kv_caches was not called")
+        return self.holder
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        holder = self._pools()
+        for load in metadata.loads:
+            handle = msgspec.convert(load.params, ShmHandle)
+            try:
+                holder.kv_cache = read_blocks(handle, holder.kv_cache, load.local_block_ids, load.first_remote)
+            except (FileNotFoundError, ValueError):
+                self.failed.add(load.request_id)
+                continue
+            self.loaded.add(load.request_id)
+            self.blocks_loaded += len(load.local_block_ids)
+            self.bytes_loaded += handle_nbytes(handle, len(load.local_block_ids))
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Loads are synchronous, every layer at once: nothing to wait for."""
+
+    def save_kv_layer(self, layer: int, pools: PagedKVCache, metadata: KVConnectorMetadata) -> None:
+        for save in metadata.saves:
+            handle = write_blocks(pools, save.block_ids)
+            self.saved[save.request_id] = RemotePrefill(handle, save.num_tokens, save.prompt_digest)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        for request_id, offer in list(self.offers.offers.items()):
+            if not segment_exists(offer.payload.segment):
+                self.offers.pulled(request_id)
+        for offer in self.offers.expire():
+            release(offer.payload)
+        loaded, self.loaded = self.loaded, set()
+        return set(), loaded
+
+    def get_failed_loads(self) -> set[str]:
+        failed, self.failed = self.failed, set()
+        return failed
+
+
+def handle_nbytes(handle: ShmHandle, num_blocks: int) -> int:
+    """Bytes `num_blocks` of the handle's blocks take (every array)."""
+    per_block = sum(jnp.dtype(s.dtype).itemsize * math.prod(s.shape) for s in handle.arrays) // handle.num_blocks
+    return per_block * num_blocks

@@ -43,13 +43,18 @@ def transfer_blocks(src: PagedKVCache, src_ids: list[int], dst: PagedKVCache, ds
     """`dst` (donated) with `src`'s blocks `src_ids` written at `dst_ids`, bitwise."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"src_ids ({len(src_ids)}) and dst_ids ({len(dst_ids)}) must be as many")
-    src_sharding = jax.tree.leaves(src)[0].sharding
-    dst_sharding = jax.tree.leaves(dst)[0].sharding
-    if not isinstance(src_sharding, NamedSharding) or not isinstance(dst_sharding, NamedSharding):
+    src_mesh, dst_mesh = _mesh(src), _mesh(dst)
+    blocks = gather_blocks(src, _replicated(src_ids, src_mesh))
+    moved = jax.device_put(blocks, pool_sharding(blocks, dst_mesh))
+    return scatter_blocks(dst, _replicated(dst_ids, dst_mesh), moved)
+
+
+def _mesh(pool: PagedKVCache) -> Mesh:
+    """The mesh a pool was placed on."""
+    sharding = pool.k.sharding
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
         raise ValueError("transfer_blocks needs pools placed on meshes (place_pool)")
-    blocks = gather_blocks(src, _replicated(src_ids, src_sharding.mesh))
-    moved = jax.device_put(blocks, pool_sharding(blocks, dst_sharding.mesh))
-    return scatter_blocks(dst, _replicated(dst_ids, dst_sharding.mesh), moved)
+    return sharding.mesh
 
 
 def _replicated(ids: list[int], mesh: Mesh) -> jax.Array:

@@ -84,6 +84,10 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}
     (see serve/spec_decode/config.py)."""
+    structured_outputs_config: dict[str, Any] | None = None
+    """vLLM's structured outputs JSON; the key read is disable_additional_properties (default true: a JSON
+    schema's objects that do not say otherwise allow no other keys, as vLLM's default backend; false: JSON
+    Schema's lenient reading), applied by the HTTP server; a request's strict or structured_outputs.additional_properties wins."""
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     """JAX's persistent compilation cache ("" = off)."""
 
@@ -126,6 +130,19 @@ class EngineArgs:
                 raise bad(name, "must be a bool")
         if self.speculative_config is not None:
             self.speculative()
+        self.lenient_json_schemas()
+
+    def lenient_json_schemas(self) -> bool:
+        """Whether JSON schemas that do not say otherwise allow extra keys (structured_outputs_config's
+        disable_additional_properties false); a bad structured_outputs_config is a ValueError."""
+        config = self.structured_outputs_config or {}
+        field = "EngineArgs.structured_outputs_config"
+        if not isinstance(config, dict) or set(config) - {"disable_additional_properties"}:
+            raise ValueError(f"{field} takes only disable_additional_properties, got {config!r}")
+        disable = config.get("disable_additional_properties", True)
+        if not isinstance(disable, bool):
+            raise ValueError(f"{field}.disable_additional_properties must be a bool, got {disable!r}")
+        return not disable
 
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative_config; a bad one (or a draft with another vocabulary than the

@@ -160,7 +160,8 @@ class _Common(_Lenient):
             elif rf is not None and rf.type == "json_schema":
                 if rf.json_schema is None or rf.json_schema.schema_ is None:
                     raise ValueError("response_format json_schema needs json_schema.schema")
-                lenient = rf.json_schema.strict is False  # OpenAI's strict: false -> JSON Schema's own reading
+                strict = rf.json_schema.strict  # OpenAI's strict: false -> JSON Schema's own reading
+                lenient = None if strict is None else not strict  # unset: the server's default
                 so = StructuredOutputsParams(json=rf.json_schema.schema_, additional_properties=lenient)
                 found.append(("response_format", so))
         except (TypeError, ValueError) as e:

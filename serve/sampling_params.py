@@ -20,14 +20,16 @@ class StructuredOutputsParams:
     string), any JSON object, a regular expression, a choice among strings, or a Lark grammar.
 
     additional_properties: whether a schema's objects that do not say otherwise may hold keys beyond
-    their `properties` (JSON Schema's reading); False (vLLM's default backend's reading) forbids them."""
+    their `properties` (JSON Schema's reading); False (vLLM's default backend's reading) forbids them;
+    None: the server's default (False unless started with structured_outputs_config
+    {"disable_additional_properties": false})."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    additional_properties: bool = False
+    additional_properties: bool | None = None
 
     def __post_init__(self) -> None:
         given = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]

@@ -14,7 +14,7 @@ from serve.http.errors import bad_request, dead
 from serve.http.state import ServerState
 from serve.openai_protocol import ChatCompletionRequest, OpenAIError, _Common
 from serve.outputs import RequestOutput
-from serve.sampling_params import OutputKind
+from serve.sampling_params import OutputKind, SamplingParams
 from serve.tenants import Tenant
 
 
@@ -39,6 +39,14 @@ def max_tokens_for(limit: int, prompt_len: int, requested: int | None, param: st
             param="max_tokens",
         )
     return requested
+
+
+def lenient(params: SamplingParams) -> SamplingParams:
+    """`params` with a JSON schema that did not choose its reading given the lenient one."""
+    so = params.structured_outputs
+    if so is None or so.additional_properties is not None:
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, additional_properties=True))
 
 
 async def merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
@@ -102,6 +110,8 @@ class Generation:
             ]
         except (ValueError, TypeError) as e:
             raise bad_request(e) from e
+        if state.engine.args.lenient_json_schemas():  # the server's default for schemas whose request left it
+            self.params = [lenient(p) for p in self.params]
         if echo is not None and logprobs is not None:  # echoed tokens carry their logprobs too
             k = max(logprobs, req.prompt_logprobs or 0)
             self.params = [dataclasses.replace(p, prompt_logprobs=k) for p in self.params]

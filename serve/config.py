@@ -87,7 +87,8 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] | None = None
     """vLLM's structured outputs JSON; the key read is disable_additional_properties (default true: a JSON
     schema's objects that do not say otherwise allow no other keys, as vLLM's default backend; false: JSON
-    Schema's lenient reading), applied by the HTTP server; a request's strict or structured_outputs.additional_properties wins."""
+    Schema's lenient reading), applied by the HTTP server; a request's strict or
+    structured_outputs.additional_properties wins."""
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     """JAX's persistent compilation cache ("" = off)."""
 

@@ -31,7 +31,7 @@ _CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("capaci
 class RouterStats:
     """One MoE layer's router on one batch (or layers stacked on a leading axis)."""
 
-    aux_loss: jax.Array  # Switch/HF load-balancing loss: num_experts * sum_e (assignments_e / tokens) * mean prob_e
+    aux_loss: jax.Array  # HF load-balancing loss: experts * sum_e (copies_e / tokens) * mean prob_e (k if uniform)
     z_loss: jax.Array  # mean over tokens of logsumexp(router logits)^2
     counts: jax.Array  # [..., num_experts] int32: token copies routed to each expert (before any capacity)
 

@@ -26,7 +26,7 @@ from typing import Any, cast
 import ray
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from ray import serve
+from ray import ObjectRefGenerator, serve
 from ray.actor import ActorHandle
 
 from serve.config import EngineArgs
@@ -35,6 +35,7 @@ from serve.tool_parsers import ToolConfig
 
 HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 RETRIES = 3  # replicas a request may try when each dies before answering
+REPLICA_NAMESPACE = "jaxinfra"  # the Ray namespace of the replicas' named actors
 ingress_app = FastAPI(title="jaxinfra on Ray Serve")
 
 
@@ -157,7 +158,7 @@ def sse_error(message: str) -> bytes:
 class Ingress:
     """Relays every route to the replica the prefix-aware router picks, over a pool it sizes."""
 
-    async def __init__(self, spec: ReplicaSpec, pool: PoolConfig, replicas: int) -> None:
+    async def __init__(self, spec: ReplicaSpec, pool: PoolConfig, replicas: int) -> None:  # type: ignore[misc]
         from jaxinfra.loading import load_tokenizer
 
         args = spec.engine_args
@@ -165,7 +166,8 @@ class Ingress:
         actor_cls = ray.remote(EngineReplica)
 
         def make_actor(name: str) -> ActorHandle:
-            return actor_cls.options(name=name, num_cpus=spec.cpus, num_gpus=spec.gpus).remote(spec)
+            opts = {"name": name, "namespace": REPLICA_NAMESPACE, "num_cpus": spec.cpus, "num_gpus": spec.gpus}
+            return cast(ActorHandle, actor_cls.options(**opts).remote(spec))
 
         self.pool = ReplicaPool(make_actor, pool, replicas, args.block_size, args.max_num_seqs)
         await self.pool.start()
@@ -210,7 +212,9 @@ class Ingress:
                 r, actor = self.pool.choose(tokens, salt)
             except RuntimeError as e:
                 return JSONResponse(unavailable(str(e)), 503)
-            stream = actor.handle.options(num_returns="streaming").remote(request.method, path, query, raw, body)
+            stream: ObjectRefGenerator = actor.handle.options(num_returns="streaming").remote(
+                request.method, path, query, raw, body
+            )
             try:
                 head = await (await stream.__anext__())
                 first = await (await stream.__anext__())

@@ -152,7 +152,7 @@ class ReplicaPool:
             ),
             return_exceptions=True,
         )
-        ok = []
+        ok: list[dict[str, Any]] = []
         for slot, report in zip(slots, reports, strict=True):
             if isinstance(report, BaseException):
                 self.lost(slot)

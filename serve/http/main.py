@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tools = ToolConfig(args.tool_call_parser, args.enable_auto_tool_choice)
         if args.replicas < 1 or (args.replicas > 1 and not args.ray):
             raise ValueError(f"--replicas must be 1, or at least 1 with --ray, got {args.replicas}")
-        pool = pool_config_from(args) if args.ray else None
+        pool = pool_config_from(args)
         engine = (
             None
             if args.ray

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any, TypeVar
+from typing import Any
 
 from serve.sampling_params import INT32_MAX, SamplingParams
 
 _counter = itertools.count()
 
-Flag = TypeVar("Flag", bool, Any)  # a Python bool on the host, a boolean array on the device
 
-
-def stops(is_eos: Flag, is_stop_id: Flag, produced: Any, min_tokens: Any, check_eos: Flag) -> Flag:
-    """The stop rule on token ids, one for the host and the device's decode loop: EOS (unless
-    ignored) or a stop token id, once min_tokens tokens are out."""
+def stops(is_eos: Any, is_stop_id: Any, produced: Any, min_tokens: Any, check_eos: Any) -> Any:
+    """The stop rule on token ids, one for the host (Python bools and ints) and the device's decode
+    loop (arrays over its rows): EOS (unless ignored) or a stop token id, once min_tokens are out."""
     return (produced >= min_tokens) & ((is_eos & check_eos) | is_stop_id)
 
 

@@ -262,9 +262,9 @@ class ModelRunner:
         if tensor_parallel_size > 1:  # weights and KV pools split over KV heads
             self.mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads)
             self.state = shard_state(self.state, self.mesh, self.rules.params)
-            axes = (None, None, None, "kv_heads", "head_dim")
+            axes, mesh = (None, None, None, "kv_heads", "head_dim"), self.mesh
             self.kv_cache = jax.tree.map(
-                lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], self.rules.params, a.shape, self.mesh)),
+                lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], self.rules.params, a.shape, mesh)),
                 self.kv_cache,
             )
         params = nnx.to_pure_dict(self.state)
@@ -500,18 +500,18 @@ class ModelRunner:
             budget = np.zeros(sb, np.int32)
             budget[:n_seq] = sched.budgets
             plan_kv = kv_lens + np.maximum(budget - 1, 0)  # pages up to the last token the loop may write
-        inputs = StepInputs(
-            input_ids,
-            prev_index,
-            positions,
-            slots,
-            block_tables,
-            cu,
-            kv_lens,
-            logits_indices,
-            targets,
-            **self._work_tiles(cu, block_tables, plan_kv, tb, max_q_len),
+        columns: dict[str, Any] = dict(
+            input_ids=input_ids,
+            prev_index=prev_index,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=block_tables,
+            cu_q_lens=cu,
+            kv_lens=kv_lens,
+            logits_indices=logits_indices,
+            prompt_targets=targets,
         )
+        inputs = StepInputs(**columns, **self._work_tiles(cu, block_tables, plan_kv, tb, max_q_len))
         sampling = table.sampling(rows, sb, out_pos)
         batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs)
         if budget is None and table.resample[rows].any():
@@ -594,18 +594,18 @@ class ModelRunner:
     def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         """An empty batch of the given shape (what warm-up compiles)."""
         cu, tables, kv_lens = np.zeros(sb + 1, np.int32), np.zeros((sb, width), np.int32), np.zeros(sb, np.int32)
-        inputs = StepInputs(
-            np.zeros(tb, np.int32),
-            np.full(tb, -1, np.int32),
-            np.zeros(tb, np.int32),
-            np.full(tb, -1, np.int32),
-            tables,
-            cu,
-            kv_lens,
-            np.zeros(sb, np.int32),
-            np.full(tb, -1, np.int32) if num_steps == 1 else None,
-            **self._work_tiles(cu, tables, kv_lens, tb, q),
+        columns: dict[str, Any] = dict(
+            input_ids=np.zeros(tb, np.int32),
+            prev_index=np.full(tb, -1, np.int32),
+            positions=np.zeros(tb, np.int32),
+            slot_mapping=np.full(tb, -1, np.int32),
+            block_tables=tables,
+            cu_q_lens=cu,
+            kv_lens=kv_lens,
+            logits_indices=np.zeros(sb, np.int32),
+            prompt_targets=np.full(tb, -1, np.int32) if num_steps == 1 else None,
         )
+        inputs = StepInputs(**columns, **self._work_tiles(cu, tables, kv_lens, tb, q))
         empty = np.zeros(0, np.int32)
         sched = SchedulerOutput([], empty, empty, empty, empty, num_steps=num_steps)
         budget = np.zeros(sb, np.int32) if num_steps > 1 else None

@@ -401,9 +401,9 @@ class LlamaModel(nnx.Module):
         flat = jax.tree.map(lambda a: a.reshape(num_layers * blocks, *a.shape[2:]), pool)
 
         def run(layer: DecoderLayer, h: jax.Array, i: Any, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-            out, cache = layer(h, positions, paged_layer_view(metadata, i, blocks, block_size), cache)
-            assert isinstance(cache, PagedKVCache)
-            return out, cache
+            out, new = layer(h, positions, paged_layer_view(metadata, i, blocks, block_size), cache)
+            assert isinstance(new, PagedKVCache)
+            return out, new
 
         if stack is None:
             for i, layer in enumerate(self.layers):

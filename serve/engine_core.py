@@ -26,6 +26,7 @@ from serve.kv_cache import BlockManager
 from serve.runner import InFlight, ModelRunner, num_blocks_for_memory
 from serve.scheduler import CoreRequest, Scheduler
 from serve.sequence import Sequence
+from serve.spec_decode import NgramProposer
 from serve.structured_output import GrammarCompiler, Matcher
 
 DEFAULT_CPU_KV_MEMORY = 256 * 2**20
@@ -81,6 +82,10 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
         self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        spec = args.speculative()
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"EngineArgs.speculative_config.method {spec.method!r} is not served yet (ngram is)")
+        proposer = NgramProposer(spec) if spec is not None else None
         self.scheduler = Scheduler(
             self.block_manager,
             args.max_num_seqs,
@@ -90,6 +95,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             num_scheduler_steps=args.num_scheduler_steps,
+            proposer=proposer,
+            disable_spec_above=spec.disable_by_batch_size if spec is not None else None,
         )
         self.runner = ModelRunner(
             model,
@@ -103,6 +110,7 @@ class EngineCore:
             tensor_parallel_size=args.tensor_parallel_size,
             attn_impl=args.attn_impl,
             num_scheduler_steps=args.num_scheduler_steps,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.requests = self.scheduler.requests  # the scheduler owns request state
         self.inflight: collections.deque[InFlight] = collections.deque()
@@ -205,6 +213,7 @@ class EngineCore:
             bm.num_free_blocks,
             bm.num_blocks,
             self.runner.num_compilations,
+            self.scheduler.spec_stats,
         )
 
     def check_invariants(self) -> None:

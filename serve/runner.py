@@ -53,6 +53,8 @@ from serve.sampler import (
 from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from serve.scheduler import SchedulerOutput, StepResult
 from serve.sequence import Sequence, stops
+from serve.spec_decode import rejection_sample
+from serve.spec_decode.verify_batch import verify_arrays
 from serve.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, logical_rules, named_sharding, shard_state, tensor_parallel_mesh
 
@@ -118,6 +120,7 @@ class StepBatch:
     prompt_logprobs: bool = False
     grammar_rows: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (matcher, row) to mask
     bias: tuple[np.ndarray, np.ndarray] | None = None  # resampling: logit_bias [S, MAX_LOGIT_BIAS] ids, values
+    spec: tuple[np.ndarray, np.ndarray] | None = None  # verify step: drafts [S, k], target logit indices [S, k+1]
 
 
 @dataclasses.dataclass
@@ -127,6 +130,7 @@ class InFlight:
     batch: StepBatch
     out: SamplerOutput
     prompt: tuple[jax.Array, ...]  # prompt logprob arrays, empty for a decode loop
+    num_emitted: jax.Array | None = None  # verify step: tokens each row emitted (out.tokens [S, k+1])
 
     def wait(self) -> None:
         """Block until the device has finished the step."""
@@ -137,8 +141,8 @@ class InFlight:
         arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]
         if self.batch.prompt_logprobs:
             arrays += list(self.prompt)
-        host = jax.device_get(arrays)
-        res = StepResult(host[0])
+        host = jax.device_get([*arrays, *(() if self.num_emitted is None else (self.num_emitted,))])
+        res = StepResult(host[0], None if self.num_emitted is None else host.pop())
         if want_lp:
             res.logprobs = (host[1], host[2], host[3])
         if self.batch.prompt_logprobs:
@@ -236,7 +240,9 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         attn_impl: str | None = None,
         num_scheduler_steps: int = 1,
+        num_speculative_tokens: int = 0,
     ) -> None:
+        """`num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up."""
         cfg = model.cfg
         self.cfg = cfg
         self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
@@ -245,6 +251,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.num_scheduler_steps = num_scheduler_steps
+        self.num_speculative_tokens = num_speculative_tokens
         self.attn_impl = paged_impl(attn_impl)
         self.graphdef, self.state = nnx.split(model)
         dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
@@ -289,6 +296,7 @@ class ModelRunner:
         self._step = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
         self._multi = jax.jit(self._multi_impl, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
         self._resample = jax.jit(self._resample_impl, static_argnames=("layout",))
+        self._verify = jax.jit(self._verify_impl, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
         self.grammar: GrammarCompiler | None = None  # set by the engine core with its first structured request
 
     # --- device side ------------------------------------------------------------------------------
@@ -354,12 +362,35 @@ class ModelRunner:
         inputs, sampling = unpack(buffers, layout)
         return self._sharded(self._forward_and_sample, state, caches, inputs, sampling, prev_tokens, max_q_len)
 
-    def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
+    def _hidden(self, state, caches, inputs, prev_tokens, max_q_len):
+        """The model and the flat batch's last hidden states [T, D] (the KV pools updated)."""
         model, stack = self._model(state)
         meta = self._meta(inputs, inputs.kv_lens, inputs.slot_mapping, max_q_len)
         ids = self._input_ids(inputs, prev_tokens)
         h, caches = model.hidden_states(ids[None], inputs.positions[None], meta, caches, stack)
-        h = h[0]
+        return model, h[0], caches
+
+    def _verify_impl(self, state, caches, buffers, prev_tokens, *, layout, max_q_len):
+        self._traced()
+        inputs, sampling, drafts, indices = unpack(buffers, layout)
+        return self._sharded(
+            self._forward_and_verify, state, caches, inputs, sampling, drafts, indices, prev_tokens, max_q_len
+        )
+
+    def _forward_and_verify(self, state, caches, inputs, sampling, drafts, indices, prev_tokens, max_q_len):
+        """Speculative decoding: the target's logits at each row's last token and drafts, and the
+        rejection sampler's tokens [S, k+1] (what the next step feeds: each row's last emitted)."""
+        model, h, caches = self._hidden(state, caches, inputs, prev_tokens, max_q_len)
+        s, k1 = indices.shape
+        logits = model.logits(h[indices.reshape(-1)]).reshape(s, k1, -1)
+        out = rejection_sample(drafts, None, logits, sampling, eos_ids=self.eos_token_ids)
+        last = jnp.take_along_axis(out.tokens, (out.num_emitted - 1)[:, None], axis=1)[:, 0]
+        none = jnp.zeros((s, MAX_LOGPROBS), jnp.int32)
+        sampled = SamplerOutput(out.tokens, jnp.zeros((s,), jnp.float32), none, none.astype(jnp.float32))
+        return sampled, out.num_emitted, self._padded(last), caches
+
+    def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
+        model, h, caches = self._hidden(state, caches, inputs, prev_tokens, max_q_len)
         logits = model.logits(h[inputs.logits_indices])
         out = sample(logits, sampling, eos_ids=self.eos_token_ids)
         targets = inputs.prompt_targets
@@ -471,9 +502,11 @@ class ModelRunner:
             if has_prev.any():
                 prev_index[:n_seq][has_prev] = [self.prev_rows[s.seq_id] for s, p in zip(seqs, has_prev) if p]
         else:
+            drafts = sched.draft_ids
             for i, (s, n, start) in enumerate(zip(seqs, counts.tolist(), starts.tolist())):
-                if start + n <= len(s.tokens):
-                    input_ids[cu[i] : cu[i] + n] = s.tokens[start : start + n]
+                known = s.tokens if drafts is None else s.tokens + [t for t in drafts[i].tolist() if t >= 0]
+                if start + n <= len(known):
+                    input_ids[cu[i] : cu[i] + n] = known[start : start + n]
                 else:  # a decode of the token the previous step is still sampling on the device
                     prev_index[cu[i]] = self.prev_rows[s.seq_id]
         slots = np.full(tb, -1, np.int32)
@@ -514,6 +547,8 @@ class ModelRunner:
         inputs = StepInputs(**columns, **self._work_tiles(cu, block_tables, plan_kv, tb, max_q_len))
         sampling = table.sampling(rows, sb, out_pos)
         batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs)
+        if sched.draft_ids is not None:
+            batch.spec = verify_arrays(sched.draft_ids, logits_indices[:n_seq], sb)
         if budget is None and table.resample[rows].any():
             batch.history = self._history(seqs, sb)
             batch.bias = table.bias(rows, sb)
@@ -553,6 +588,13 @@ class ModelRunner:
             )
             self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
             return InFlight(batch, out, ())
+        if batch.spec is not None:
+            buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
+            out, num_emitted, self.prev_tokens, self.kv_cache = self._verify(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+            )
+            self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+            return InFlight(batch, out, (), num_emitted)
         buffers, layout = pack((batch.inputs, batch.sampling))
         out, padded, logits, prompt, self.kv_cache = self._step(
             self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
@@ -625,6 +667,12 @@ class ModelRunner:
             batch = self.dummy(sb, sb, self.width_buckets[0], 1)
             batch.history = self._history([], sb)
             jobs.append(batch)
+        k = self.num_speculative_tokens
+        for tb, sb, w, q in self.shapes() if k else ():
+            if q > 1:  # a verify step carries k + 1 tokens a row: never a decode-only batch
+                batch = self.dummy(tb, sb, w, q)
+                batch.spec = verify_arrays(np.zeros((0, k), np.int32), np.zeros(0, np.int32), sb)
+                jobs.append(batch)
         for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):
             self.dispatch(batch)
         jax.block_until_ready(self.kv_cache)

@@ -18,6 +18,7 @@ from serve.core_types import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from serve.kv_cache import BlockManager
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
+from serve.spec_decode import NgramProposer, SpecDecodingStats
 
 LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
 Logprob = tuple[float, np.ndarray, np.ndarray]  # one position's: log p(token), top ids, top logprobs
@@ -51,6 +52,7 @@ class SchedulerOutput:
     finished: list[int] = dataclasses.field(default_factory=list)  # seq ids
     num_steps: int = 1
     budgets: np.ndarray | None = None  # decode loop: tokens each row may make
+    draft_ids: np.ndarray | None = None  # speculative: [S, k] draft tokens each row verifies (-1 pads)
 
     @property
     def samples(self) -> np.ndarray:
@@ -67,6 +69,7 @@ class StepResult:
     """Host copies of what a step produced, rows in scheduled order; a decode loop's are [K, S, ...]."""
 
     tokens: np.ndarray
+    num_emitted: np.ndarray | None = None  # speculative: [S] tokens each row emitted (tokens is [S, k+1])
     logprobs: LogprobArrays | None = None  # sampled tokens': [S], [S, MAX_LOGPROBS] x 2
     prompt_logprobs: LogprobArrays | None = None  # per prompt token: log p(next prompt token), top ids, top
 
@@ -102,7 +105,11 @@ class Scheduler:
         max_model_len: int = 2**31 - 1,
         eos_token_ids: tuple[int, ...] = (),
         num_scheduler_steps: int = 1,
+        proposer: NgramProposer | None = None,
+        disable_spec_above: int | None = None,
     ) -> None:
+        """`proposer`: speculative decoding's, drafting for decodes while at most `disable_spec_above`
+        sequences run (None: always)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -111,6 +118,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_set = frozenset(eos_token_ids)
         self.num_scheduler_steps = num_scheduler_steps
+        self.proposer = proposer
+        self.disable_spec_above = disable_spec_above
+        self.spec_stats = SpecDecodingStats(proposer.k) if proposer is not None else None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, CoreRequest] = {}
@@ -166,6 +176,8 @@ class Scheduler:
     def needs_sync(self) -> bool:
         """A running sequence whose last token is still on the device needs it on the host before it is
         scheduled: penalties read the host-built history, a structured output its matcher."""
+        if self.proposer is not None:  # drafts come from the tokens on the host, and a step emits a variable count
+            return any(s.num_pending for s in self.running)
         return any(s.num_pending and (s.params.uses_penalties or s.matcher is not None) for s in self.running)
 
     # --- scheduling -------------------------------------------------------------------------------
@@ -175,10 +187,11 @@ class Scheduler:
         preempted: list[Sequence] = []
         bs = self.bm.block_size
         running = self.running
+        drafts = self._propose()
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            total = len(seq.tokens) + seq.num_pending
+            total = len(seq.tokens) + seq.num_pending + len(drafts.get(seq.seq_id, ()))
             n = min(total - seq.num_computed_tokens, budget)
             if n <= 0 or total - seq.prompt_len >= seq.max_output:
                 i += 1  # nothing to compute, or max_tokens already in flight
@@ -215,7 +228,22 @@ class Scheduler:
                 self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
-        return self._output(scheduled, preempted)
+        return self._output(scheduled, preempted, drafts)
+
+    def _propose(self) -> dict[int, list[int]]:
+        """Speculative decoding: the proposer's drafts for running decodes (seq id -> tokens), when
+        every sequence in the engine takes plain sampling (no logprobs, penalties, logit bias or
+        grammar) and few enough run."""
+        if self.proposer is None or not self.running:
+            return {}
+        if self.disable_spec_above is not None and len(self.running) > self.disable_spec_above:
+            return {}
+        if not all(_plain(s) for s in (*self.running, *self.waiting)):
+            return {}
+        decodes = [s for s in self.running if s.num_computed_tokens == len(s.tokens) - 1 and not s.num_pending]
+        room = [min(self.budget(s) - 1, self.max_model_len - s.num_tokens - 1) for s in decodes]
+        proposed = self.proposer.propose_lists([s.tokens for s in decodes], [max(r, 0) for r in room])
+        return {s.seq_id: d for s, d in zip(decodes, proposed) if d}
 
     def budget(self, seq: Sequence) -> int:
         """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
@@ -242,7 +270,9 @@ class Scheduler:
                 return 1
         return k
 
-    def _output(self, scheduled: list[tuple[Sequence, int]], preempted: list[Sequence]) -> SchedulerOutput:
+    def _output(
+        self, scheduled: list[tuple[Sequence, int]], preempted: list[Sequence], drafts: dict[int, list[int]]
+    ) -> SchedulerOutput:
         """The step as data, then the state it implies: computed and pending counts advanced (a loop's
         rows by their whole budgets), and the blocks the step fills keyed for the prefix cache (any
         step that reads them runs after it)."""
@@ -260,6 +290,12 @@ class Scheduler:
             num_steps,
         )
         self.finished_ids = []
+        if drafts and self.proposer is not None:
+            draft_ids = np.full((n, self.proposer.k), -1, np.int32)
+            for row, (seq, count) in enumerate(scheduled):
+                d = drafts.get(seq.seq_id, [])[: count - 1]  # the budget may have cut the draft short
+                draft_ids[row, : len(d)] = d
+            sched = dataclasses.replace(sched, draft_ids=draft_ids)
         made = sched.samples.astype(np.int32)
         if num_steps > 1:
             made = np.minimum(np.fromiter((self.budget(s) for s in seqs), np.int32, n), num_steps)
@@ -293,12 +329,16 @@ class Scheduler:
         loop = sched.budgets is not None
         made = (sched.samples.astype(np.int32) if sched.budgets is None else sched.budgets).tolist()
         tokens = res.tokens.T.tolist() if loop else res.tokens[:, None].tolist()
+        emitted = made
+        if res.num_emitted is not None:  # speculative: rejected drafts' KV is rolled back
+            tokens = res.tokens.tolist()
+            emitted = self._settle_drafts(sched, res.num_emitted, made)
         bs = self.bm.block_size
         for i, (seq, m) in enumerate(zip(sched.seqs, made)):
             if seq.is_finished:
                 continue
             seq.num_pending -= m
-            for k, token in enumerate(tokens[i][:m]):
+            for k, token in enumerate(tokens[i][: emitted[i]]):
                 lp = None
                 if res.logprobs is not None:
                     at = (k, i) if loop else (i,)
@@ -308,6 +348,19 @@ class Scheduler:
             else:
                 if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
                     self.bm.cache_full_blocks(seq)
+
+    def _settle_drafts(self, sched: SchedulerOutput, num_emitted: np.ndarray, made: list[int]) -> list[int]:
+        """Tokens each row emitted; a row's rejected drafts are uncomputed (their KV slots are
+        overwritten later), and the acceptance counted."""
+        assert sched.draft_ids is not None and self.spec_stats is not None
+        num_draft = (sched.draft_ids >= 0).sum(axis=1)
+        emitted = np.where(np.asarray(made) > 0, num_emitted[: len(sched.seqs)], 0)
+        accepted = np.maximum(emitted - 1, 0)
+        for seq, rejected in zip(sched.seqs, (num_draft - accepted).tolist()):
+            if rejected and not seq.is_finished:
+                seq.num_computed_tokens -= rejected
+        self.spec_stats.observe(num_draft, accepted)
+        return emitted.tolist()
 
     def _collect_prompt_logprobs(self, seq: Sequence, prompt: LogprobArrays, start: int, n: int, offset: int) -> None:
         k = seq.params.prompt_logprobs or 0
@@ -363,3 +416,15 @@ class Scheduler:
             for sib in reversed(req.pending):
                 self.add(sib, front=True)
             req.pending = []
+
+
+def _plain(seq: Sequence) -> bool:
+    """Sampling the rejection sampler serves: no logprobs, penalties, logit bias or grammar."""
+    p = seq.params
+    return (
+        p.logprobs is None
+        and not seq.wants_prompt_logprobs
+        and not p.uses_penalties
+        and not p.logit_bias
+        and seq.matcher is None
+    )

@@ -1,0 +1,113 @@
+"""N-gram speculative decoding vs none on the embedded model, KJV continuation prompts, greedy:
+mean acceptance length (1 + accepted / drafts) and TPOT at several batch sizes, both engines in
+this process on the same prompts (each batch run once to compile, then timed).
+
+python -m benchmarks.speculative [--quick] [--k 3] [--out benchmarks/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfra.loading import DEFAULT_MODEL
+from serve import EngineArgs, LLMEngine, SamplingParams
+
+KJV = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kjv_excerpt.txt"
+
+
+def kjv_prompts(n: int, verses: int = 4) -> list[str]:
+    """n passages of a few consecutive verses, spread over the excerpt, to be continued."""
+    lines = [line for line in KJV.read_text().splitlines() if len(line.split()) > 3]
+    starts = np.linspace(0, len(lines) - verses - 1, n).astype(int)
+    return ["\n".join(lines[s : s + verses]) + "\n" for s in starts]
+
+
+def run_batch(eng: LLMEngine, prompts: list[str], max_tokens: int) -> dict:
+    """All prompts at once; mean TPOT (first to last token over tokens after the first), tokens/s."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind="final_only")
+    stats0 = eng.stats().spec_decoding
+    drafts0, accepted0 = (stats0.num_drafts, stats0.num_accepted_tokens) if stats0 else (0, 0)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    seconds = time.perf_counter() - t0
+    tpot = []
+    for o in done:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if m is not None and m.first_token_time is not None and m.last_token_time is not None and n > 1:
+            tpot.append((m.last_token_time - m.first_token_time) / (n - 1))
+    stats = eng.stats().spec_decoding
+    drafts = (stats.num_drafts - drafts0) if stats else 0
+    accepted = (stats.num_accepted_tokens - accepted0) if stats else 0
+    return {
+        "tpot_ms": 1e3 * float(np.mean(tpot)),
+        "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in done) / seconds,
+        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "drafts": drafts,
+        "tokens": [o.outputs[0].token_ids for o in sorted(done, key=lambda o: int(o.request_id.split("-")[1]))],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 4, 16 tokens")
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = parser.parse_args()
+    batches = [1, 4] if args.quick else [1, 8, 32, 64]
+    max_tokens = 16 if args.quick else args.max_tokens
+    base = dict(
+        model=DEFAULT_MODEL,
+        max_model_len=256,  # the embedded model's context
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+        compilation_cache_dir="",
+    )
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    engines = {
+        "off": LLMEngine.from_engine_args(EngineArgs(**base)),
+        "ngram": LLMEngine.from_engine_args(EngineArgs(**base, speculative_config=spec)),
+    }
+    rows = []
+    for b in batches:
+        prompts = kjv_prompts(b)
+        res = {}
+        for mode, eng in engines.items():
+            run_batch(eng, prompts, max_tokens)  # compiles this batch's shapes
+            res[mode] = run_batch(eng, prompts, max_tokens)
+        same = res["off"]["tokens"] == res["ngram"]["tokens"]
+        row = {
+            "batch": b,
+            "tpot_ms_off": res["off"]["tpot_ms"],
+            "tpot_ms_ngram": res["ngram"]["tpot_ms"],
+            "tpot_ratio": res["off"]["tpot_ms"] / res["ngram"]["tpot_ms"],
+            "acceptance_length": res["ngram"]["acceptance_length"],
+            "tokens_per_s_off": res["off"]["tokens_per_s"],
+            "tokens_per_s_ngram": res["ngram"]["tokens_per_s"],
+            "greedy_identical": same,
+        }
+        rows.append(row)
+        print(
+            f"batch {b:3d}: TPOT off {row['tpot_ms_off']:.1f} ms, ngram {row['tpot_ms_ngram']:.1f} ms "
+            f"(off/ngram {row['tpot_ratio']:.2f}x), acceptance length {row['acceptance_length']:.2f}, "
+            f"greedy outputs identical: {same}",
+            flush=True,
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speculative.json").write_text(
+        json.dumps({"k": args.k, "max_tokens": max_tokens, "rows": rows}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()

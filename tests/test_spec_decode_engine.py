@@ -1,0 +1,49 @@
+"""N-gram speculative decoding through the engine: greedy outputs token-identical to the engine
+without it, under batching, chunked prefill, prefix caching and preemption, and drafts accepted."""
+
+from __future__ import annotations
+
+import pytest
+from serve_helpers import engine, prompts, run
+
+from serve import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Few compiled shapes (one block-table width, three sequence buckets); 24 blocks of 8 force preemption.
+SMALL = dict(max_model_len=128, max_num_seqs=4, num_gpu_blocks_override=24)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _workload():
+    """Prompts that repeat themselves (n-gram drafts find matches), two sharing a long prefix (the
+    second arrives after the first's prefill: prefix cache hits), one prefilled in chunks."""
+    loops = [(p * 4)[:40] for p in prompts([5, 7, 3, 9], seed=1)]
+    shared = prompts([48], seed=2)[0]
+    long = prompts([100], seed=3)[0]
+    return {
+        0: [(f"r{i}", p, GREEDY) for i, p in enumerate([*loops, shared + [1, 2, 3]])],
+        3: [("r5", long, GREEDY)],
+        6: [("r6", shared + [4, 5], GREEDY)],
+    }
+
+
+def _tokens(done):
+    return {rid: out.outputs[0].token_ids for rid, out in done.items()}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _tokens(run(engine(**SMALL), _workload()))
+
+
+def test_greedy_with_ngram_speculation_is_token_identical(plain):
+    """Batching, chunked prefill (64-token steps), prefix caching and preemption."""
+    eng = engine(**SMALL, speculative_config=NGRAM)
+    got = _tokens(run(eng, _workload()))
+    assert got == plain
+    stats = eng.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    spec = stats.spec_decoding
+    assert spec is not None and spec.num_drafts > 0 and spec.num_accepted_tokens > 0
+    assert spec.num_accepted_tokens <= spec.num_draft_tokens <= 3 * spec.num_drafts
+    assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[1] >= spec.accepted_per_pos[2]

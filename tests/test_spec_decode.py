@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
@@ -265,7 +266,8 @@ def test_spec_decode_counters_on_metrics():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 8, 4)
     assert stats.accepted_per_pos == [2, 1, 1] and stats.mean_acceptance_length == 1 + 4 / 3
     metrics = ServerMetrics("m", prefix="vllm")
-    metrics.observe([], SchedulerStats(0, 0, 0.0, 0, 0, 0, 8, 8, 0, stats))
+    sent = msgspec.msgpack.encode(SchedulerStats(0, 0, 0.0, 0, 0, 0, 8, 8, 0, stats))  # from the core process
+    metrics.observe([], msgspec.msgpack.decode(sent, type=SchedulerStats))
     stats.observe(np.array([1]), np.array([1]))
     metrics.observe([], SchedulerStats(0, 0, 0.0, 0, 0, 0, 8, 8, 0, stats))
     text = metrics.render().decode()

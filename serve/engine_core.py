@@ -189,6 +189,8 @@ class EngineCore:
         if sched.seqs:
             self.inflight.append(self.runner.dispatch(self.runner.prepare(sched)))
             keep = 1 if self.args.async_scheduling else 0
+        else:
+            self.runner.free_rows(sched)
         while len(self.inflight) > keep:
             self._update(self.inflight.popleft(), outputs)
         self.step_time = time.perf_counter() - start

@@ -468,14 +468,19 @@ class ModelRunner:
         return SamplerOutput(tokens, lp, top_ids, top_lp), self._padded(last), caches
 
     # --- host side --------------------------------------------------------------------------------
+    def free_rows(self, sched: SchedulerOutput) -> None:
+        """Free the rows of sequences that left the batch (finished, aborted or preempted) since the
+        last step; the engine calls it for steps that schedule nothing too, so no row leaks."""
+        for seq_id in sched.finished:
+            self.slots.release(seq_id)
+        for seq in sched.preempted:
+            self.slots.release(seq.seq_id)
+
     def prepare(self, sched: SchedulerOutput) -> StepBatch:
         """Host arrays for one step (or a multi-step decode loop), from the scheduler's output; rows of
         sequences that left the batch are freed first."""
+        self.free_rows(sched)
         table = self.slots
-        for seq_id in sched.finished:
-            table.release(seq_id)
-        for seq in sched.preempted:
-            table.release(seq.seq_id)
         seqs, num_steps = sched.seqs, sched.num_steps
         n_seq = len(seqs)
         rows = np.fromiter((table.row(s) for s in seqs), np.int32, n_seq)

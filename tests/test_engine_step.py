@@ -60,3 +60,20 @@ def test_streaming_requests_get_one_token_per_output_and_loops_do_not_force_a_sy
     assert max(runs["delta"][0]) == 1 and max(runs["cumulative"][0]) > 1
     assert runs["delta"][1] == runs["cumulative"][1] and len(runs["delta"][1]["0"]) == 20
     assert any(dispatched_behind_loop)
+
+
+def test_rows_of_requests_aborted_before_an_empty_step_are_freed():
+    """A request aborted after its first step leaves the batch in a step that schedules nothing: its
+    runner row is still freed, so more requests than the table's rows can pass through, one by one."""
+    eng = engine(max_num_seqs=2)
+    core = eng.core
+    ps = prompts([6], seed=4)
+    for i in range(3 * core.runner.slots.blocks.shape[0]):
+        core.add_request(eng.input_processor.process(f"a{i}", ps[0], GREEDY))
+        core.step()
+        core.abort_requests([f"a{i}"])
+        while core.has_work():
+            core.step()
+        core.step()  # nothing scheduled: the aborted row is freed here
+    assert not core.runner.slots.slot_of
+    assert len(core.runner.slots.free) == core.runner.slots.blocks.shape[0]

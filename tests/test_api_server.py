@@ -176,7 +176,11 @@ def test_api_key():
         # "Bearer", or an x-api-key header
         assert _post(url, "/tokenize", {"prompt": "x"}).status_code == 401
         assert httpx.get(f"{url}/status").status_code == httpx.get(f"{url}/dashboard").status_code == 401
-        for headers in ({"Authorization": "bearer s3cret"}, {"authorization": "BEARER s3cret"}, {"x-api-key": "s3cret"}):
+        for headers in (
+            {"Authorization": "bearer s3cret"},
+            {"authorization": "BEARER s3cret"},
+            {"x-api-key": "s3cret"},
+        ):
             assert _post(url, "/tokenize", {"prompt": "x"}, headers=headers).status_code == 200, headers
         assert httpx.get(f"{url}/metrics").status_code == httpx.get(f"{url}/version").status_code == 200
 

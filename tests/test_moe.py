@@ -145,3 +145,14 @@ def test_training_records_router_losses_and_expert_load():
     penalty = 0.01 * parts["moe_aux_loss"] + 0.001 * parts["moe_z_loss"]
     np.testing.assert_allclose(float(objective), float(parts["ce"] + penalty), rtol=1e-6)
     assert float(penalty) > 1e-3 * float(parts["ce"])
+
+
+def test_quantizing_an_moe_model_is_a_clear_error():
+    """The quantizers round dense MLPs only: an MoE model is refused before any work, for the quantize
+    command and for serving's on-the-fly --quantization alike."""
+    from jaxinfra.quant.quantize import QuantizeConfig, check
+
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        check(ModelConfig.from_preset("tiny-mixtral"), QuantizeConfig())
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        jaxinfra.load_model("tiny-qwen3-moe", quantization="int8")

@@ -23,7 +23,7 @@ from jaxinfra.data import load_documents
 from jaxinfra.data.pipeline import document_tokens
 from jaxinfra.data.sources import split_documents
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import DecoderLayer, row_positions
+from jaxinfra.models.llama import MLP, DecoderLayer, row_positions
 from jaxinfra.quant.qlinear import QuantizedLinear
 from jaxinfra.tokenizer import Tokenizer
 
@@ -150,6 +150,7 @@ def _captures(layer: DecoderLayer, x: jax.Array, positions: jax.Array) -> dict[s
     heads, _ = layer.attn.heads(attn_in, positions, DenseMetadata(), None)
     h = x + layer.attn.project(heads)
     mlp_in = layer.post_attn_norm(h)
+    assert isinstance(layer.mlp, MLP), "quantize.check refuses mixture-of-experts models"
     flat = lambda a: a.reshape(-1, int(np.prod(a.shape[2:]))).astype(jnp.float32)
     return {
         "attn_in": flat(attn_in),

@@ -104,6 +104,11 @@ def input_widths(model_cfg: ModelConfig) -> dict[str, int]:
 
 def check(model_cfg: ModelConfig, cfg: QuantizeConfig, documents_given: bool = False) -> None:
     """Every linear's width fits the scheme, and the calibration data exists (before any work)."""
+    if model_cfg.num_experts > 0:
+        raise ValueError(
+            f"quantization: {model_cfg.model_type} is a mixture-of-experts model; the quantizers round dense "
+            "MLPs only (expert weights are not supported yet)"
+        )
     scheme = cfg.scheme()
     for name, k in input_widths(model_cfg).items():
         scheme.check_width(k, name)

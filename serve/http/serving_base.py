@@ -62,11 +62,9 @@ class OpenAIServing(abc.ABC):
         if clash:
             raise OpenAIError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
         try:
+            extra: dict[str, Any] = {**({"tools": tools} if tools else {}), **(template_kwargs or {})}
             return tok.apply_chat_template(
-                [m.as_template_dict() for m in messages],
-                add_generation_prompt,
-                **({"tools": tools} if tools else {}),
-                **(template_kwargs or {}),
+                [m.as_template_dict() for m in messages], add_generation_prompt, tokenize=False, **extra
             )
         except Exception as e:  # a template's raise_exception(), or a malformed conversation
             raise OpenAIError(400, f"chat template error: {e}", param="messages") from e

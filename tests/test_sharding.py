@@ -95,9 +95,11 @@ def test_microbatches_that_cannot_spread_over_the_devices_are_refused(report):
 
 
 def test_mesh_config_and_presets():
-    assert MeshConfig(-1, 2, 2).shape(8) == (1, 2, 2, 1, 2)
-    assert MeshConfig(1, -1, 1).shape(8) == (1, 1, 8, 1, 1)
-    assert MeshConfig(-1, pipeline=4, context=1).shape(8) == (4, 2, 1, 1, 1)
+    # AXES: pipeline, data, fsdp, expert, context, tensor
+    assert MeshConfig(-1, 2, 2).shape(8) == (1, 2, 2, 1, 1, 2)
+    assert MeshConfig(1, -1, 1).shape(8) == (1, 1, 8, 1, 1, 1)
+    assert MeshConfig(-1, pipeline=4, context=1).shape(8) == (4, 2, 1, 1, 1, 1)
+    assert MeshConfig(-1, expert=4).shape(8) == (1, 2, 1, 4, 1, 1)
     with pytest.raises(ValueError, match="not divisible"):
         MeshConfig(-1, 3, 1).shape(8)
     with pytest.raises(ValueError, match="needs 4 devices"):

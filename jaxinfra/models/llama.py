@@ -220,8 +220,8 @@ class LayerStack:
 
     @classmethod
     def of(cls, layers: nnx.List) -> LayerStack:
-        stacked = _stack_trees([nnx.to_pure_dict(nnx.state(layer)) for layer in layers])
-        return cls(*layer_graph(layers), stacked)
+        graphdef, template = layer_graph(layers)  # refuses differing layers before stacking them
+        return cls(graphdef, template, _stack_trees([nnx.to_pure_dict(nnx.state(layer)) for layer in layers]))
 
     def layer(self, params: dict) -> DecoderLayer:
         """The layer whose parameters are `params` (one slice of the stack)."""

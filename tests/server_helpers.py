@@ -19,6 +19,20 @@ from serve.http.app import build_app
 MODEL_NAME = "tiny"
 
 
+def stream_body(max_tokens: int) -> dict:
+    """A greedy streamed completion that runs its full length (no EOS), with a usage chunk: the
+    background stream the robustness and reliability probes run beside their bad requests."""
+    return {
+        "model": MODEL_NAME,
+        "prompt": "keep going",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 @contextlib.contextmanager
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
     """Run `app` with uvicorn on a background thread; yields its URL. Stopping it shuts the engine down."""

@@ -8,7 +8,7 @@ import signal
 
 import httpx
 import pytest
-from server_helpers import MODEL_NAME, eventually, running_server
+from server_helpers import MODEL_NAME, eventually, running_server, stream_body
 
 VOCAB = 512  # tiny-qwen3
 
@@ -36,15 +36,7 @@ GOOD = [{"seed": 2**31}, {"seed": 2**63 - 1}, {"seed": -5}, {"top_k": 10**6}]
 
 async def _stream_tokens(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[int, bool]:
     """A streamed completion: (completion tokens from its usage chunk, whether it ended with [DONE])."""
-    body = {
-        "model": MODEL_NAME,
-        "prompt": "keep going",
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body(max_tokens)
     tokens, done = 0, False
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200

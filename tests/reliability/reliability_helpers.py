@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from serve_helpers import ENGINE_DEFAULTS
-from server_helpers import MODEL_NAME, serve_in_thread
+from server_helpers import MODEL_NAME, serve_in_thread, stream_body
 
 from serve import EngineArgs
 from serve.async_engine import AsyncEngine
@@ -52,15 +52,7 @@ class Stream:
 
 
 async def stream(url: str, max_tokens: int, out: Stream) -> Stream:
-    body = {
-        "model": MODEL_NAME,
-        "prompt": "keep going",
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body(max_tokens)
     async with (
         httpx.AsyncClient(timeout=300) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as r,

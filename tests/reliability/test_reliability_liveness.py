@@ -43,7 +43,7 @@ def kill_starting_core(known: set[int]) -> int:
 
 def test_core_killed_before_any_request_is_restarted(server):
     url, _, engine = server
-    assert health(url) == 200
+    assert eventually(lambda: health(url) == 200, timeout=60)
     t0 = time.monotonic()
     os.kill(engine.core.proc.pid, signal.SIGKILL)
     TALLY.probes += 1
@@ -81,15 +81,15 @@ def test_stopped_core_is_noticed_within_the_heartbeat_timeout(server):
     assert eventually(lambda: health(url) == 200, timeout=60)
 
 
-def test_restarts_running_out_is_fatal(server):
-    url, _, engine = server
+def test_restarts_running_out_is_fatal():
+    """On a server of its own: fatal is for good, and the tests run in random order."""
     fatal: list[str] = []
-    engine.restart_attempts, engine.on_fatal = 1, fatal.append
-    first, known = engine.core.proc.pid, children()
-    os.kill(first, signal.SIGKILL)
-    kill_starting_core(known)
-    TALLY.probes += 2
-    assert eventually(lambda: bool(fatal), timeout=30)
-    assert engine.fatal == fatal[0] and "could not be restarted" in fatal[0]
-    r = httpx.get(f"{url}/health", timeout=5)
-    assert r.status_code == 503 and "could not be restarted" in r.json()["error"]
+    with reliability_server(restart_on_failure=True, restart_attempts=1, on_fatal=fatal.append) as (url, _, engine):
+        first, known = engine.core.proc.pid, children()
+        os.kill(first, signal.SIGKILL)
+        kill_starting_core(known)
+        TALLY.probes += 2
+        assert eventually(lambda: bool(fatal), timeout=30)
+        assert engine.fatal == fatal[0] and "could not be restarted" in fatal[0]
+        r = httpx.get(f"{url}/health", timeout=5)
+        assert r.status_code == 503 and "could not be restarted" in r.json()["error"]

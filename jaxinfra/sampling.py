@@ -19,10 +19,13 @@ def _col(x: PerRow | PerRowInt) -> jax.Array:
     return x[:, None] if x.ndim else x
 
 
-def top_p_min_p_cutoff(sorted_desc: Float[Array, "B K"], top_p: PerRow, min_p: PerRow) -> Float[Array, "B 1"]:
+def top_p_min_p_cutoff(
+    sorted_desc: Float[Array, "B K"], top_p: PerRow, min_p: PerRow, log_mass: Float[Array, "B 1"] | None = None
+) -> Float[Array, "B 1"]:
     """The smallest logit each row keeps under top-p (smallest set with mass >= top_p) and min-p
-    (probability >= min_p x the top one), given its candidate logits sorted descending."""
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    (probability >= min_p x the top one), given its candidate logits sorted descending; `log_mass`:
+    the log-sum-exp the probabilities are taken against, when the candidates are only the top of it."""
+    probs = jax.nn.softmax(sorted_desc, axis=-1) if log_mass is None else jnp.exp(sorted_desc - log_mass)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = (mass_before < _col(top_p)) & (probs >= _col(min_p) * probs[:, :1])
     return jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)

@@ -9,6 +9,7 @@ top-k/top-p/min-p, min_tokens with stop ids, and logprobs (computed only when a 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +19,8 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxinfra.sampling import filter_logits, top_p_min_p_cutoff
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams
 
-# When every random row has 0 < top_k <= this, sampling works on that many candidates instead of
-# sorting the whole vocabulary.
+# When every filtered random row's support lies within this many top logits, sampling works on
+# them instead of sorting the whole vocabulary.
 TOPK_CANDIDATES = 64
 
 
@@ -62,6 +63,18 @@ ROW_FIELDS: dict[str, tuple[type, float | int | bool]] = {
     "frequency": (np.float32, 0.0),
     "repetition": (np.float32, 1.0),
 }
+
+
+def uniform_tensors(n: int, **values: Any) -> SamplingTensors:
+    """`n` rows of sampler settings: ROW_FIELDS' padding values unless given (a scalar or [n] values
+    per field, `out_pos` too, `stop_ids` [n, K]); for tests and benchmarks that drive the sampler."""
+    fields: dict[str, Any] = {
+        name: np.broadcast_to(np.asarray(values.get(name, pad), dtype), (n,)).copy()
+        for name, (dtype, pad) in ROW_FIELDS.items()
+    }
+    fields["out_pos"] = np.broadcast_to(np.asarray(values.get("out_pos", 0), np.int32), (n,)).copy()
+    fields["stop_ids"] = np.asarray(values.get("stop_ids", np.full((n, 1), -1)), np.int32)
+    return SamplingTensors(**fields)  # numpy rows; jax arrays once jitted
 
 
 def row_settings(params: SamplingParams, seed: int, sibling: int, vocab_size: int) -> dict[str, float | int | bool]:
@@ -141,28 +154,35 @@ def filtered_probs(masked: Float[Array, "S V"], t: SamplingTensors) -> Float[Arr
 
 def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Gumbel-max over the top-k / top-p / min-p support of temperature-scaled logits. The noise is
-    drawn per (row key, token id), so the candidates shortcut picks exactly what the full sort would."""
+    drawn per (row key, token id), so the shortcuts pick exactly what the full sort would: a row with
+    no filter takes the argmax over the whole vocabulary (OpenAI's defaults, which guidellm and most
+    clients send), a row whose support lies within the top TOPK_CANDIDATES logits (top-k, or a
+    top-p / min-p set that ends before them) works on those; only a batch with some other row sorts."""
     v = logits.shape[-1]
     scaled = _scaled(logits, t)
     keys = jax.vmap(row_key)(t.seed, t.sibling, t.out_pos)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
-    random_rows = t.temperature > 0
-    topk_on = t.top_k > 0
-
-    def candidates() -> jax.Array:
-        vals, ids = jax.lax.top_k(scaled, TOPK_CANDIDATES)
-        vals = jnp.where(jnp.arange(TOPK_CANDIDATES)[None, :] < t.top_k[:, None], vals, -jnp.inf)
-        vals = jnp.where(vals >= top_p_min_p_cutoff(vals, t.top_p, t.min_p), vals, -jnp.inf)
-        pick = jnp.argmax(vals + jnp.take_along_axis(noise, ids, axis=1), axis=-1)
-        return jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
 
     def full_sort() -> jax.Array:
         return jnp.argmax(filter_logits(scaled, top_k=t.top_k, top_p=t.top_p, min_p=t.min_p) + noise, axis=-1)
 
-    if v < TOPK_CANDIDATES:
+    if v <= TOPK_CANDIDATES:
         return full_sort().astype(jnp.int32)
-    few = jnp.all(~random_rows | (topk_on & (t.top_k <= TOPK_CANDIDATES)))
-    return jax.lax.cond(few, candidates, full_sort).astype(jnp.int32)
+    no_topk = (t.top_k <= 0) | (t.top_k >= v)
+    unfiltered = no_topk & (t.top_p >= 1.0) & (t.min_p <= 0.0)
+    topk_on = (t.top_k > 0) & (t.top_k <= TOPK_CANDIDATES)
+    vals, ids = jax.lax.top_k(scaled, TOPK_CANDIDATES)
+    vals = jnp.where(~topk_on[:, None] | (jnp.arange(TOPK_CANDIDATES)[None, :] < t.top_k[:, None]), vals, -jnp.inf)
+    # top-p mass is of the top-k set where there is one (as filter_logits), else of the whole vocabulary
+    log_mass = jnp.where(topk_on, jax.nn.logsumexp(vals, axis=-1), jax.nn.logsumexp(scaled, axis=-1))[:, None]
+    cutoff = top_p_min_p_cutoff(vals, t.top_p, t.min_p, log_mass=log_mass)
+    within = topk_on | (no_topk & (vals[:, -1] < cutoff[:, 0]))  # the last candidate is already cut
+    pick = jnp.argmax(jnp.where(vals >= cutoff, vals, -jnp.inf) + jnp.take_along_axis(noise, ids, axis=1), axis=-1)
+    shortcut = jnp.where(
+        unfiltered, jnp.argmax(scaled + noise, axis=-1), jnp.take_along_axis(ids, pick[:, None], 1)[:, 0]
+    )
+    cheap = jnp.all((t.temperature <= 0) | unfiltered | within)
+    return jax.lax.cond(cheap, lambda: shortcut, full_sort).astype(jnp.int32)
 
 
 def sample(

@@ -73,6 +73,12 @@ class EngineArgs:
     model's linears as it loads (W8A16, W4A16 group 128)."""
     tensor_parallel_size: int = 1
     """Devices the weights and KV pools are split over (heads)."""
+    enable_expert_parallel: bool = False
+    """MoE models: split the experts over the tensor-parallel devices instead of each expert's MLP
+    (vLLM's flag: expert_parallel_size = tensor_parallel_size)."""
+    expert_parallel_size: int = 1
+    """MoE models: devices the experts are split over, a multiple of tensor_parallel_size (attention is
+    replicated over the extra ones); tokens travel to their experts' devices and back."""
     attn_impl: str | None = None
     """pallas | xla | reference (default: pallas on GPU, xla elsewhere)."""
     async_scheduling: bool = True
@@ -115,7 +121,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise bad(name, "must be a positive int or None")
-        for name in ("max_num_seqs", "tensor_parallel_size", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "tensor_parallel_size", "expert_parallel_size", "num_scheduler_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive int")
         if not is_int(self.seed):
@@ -126,12 +132,21 @@ class EngineArgs:
             or not 0 < self.gpu_memory_utilization <= 1
         ):
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
+        tp = self.tensor_parallel_size
+        if self.enable_expert_parallel and self.expert_parallel_size not in (1, tp):
+            raise bad("expert_parallel_size", f"must be 1 or tensor_parallel_size ({tp}) with enable_expert_parallel")
+        if self.expert_parallel_size % tp:
+            raise bad("expert_parallel_size", f"must be a multiple of tensor_parallel_size ({tp})")
         if self.speculative_config is not None:
             self.speculative()
         self.lenient_json_schemas()
+
+    def expert_parallel(self) -> int:
+        """Devices the experts are split over (1: none), enable_expert_parallel resolved."""
+        return self.tensor_parallel_size if self.enable_expert_parallel else self.expert_parallel_size
 
     def lenient_json_schemas(self) -> bool:
         """Whether JSON schemas that do not say otherwise allow extra keys (structured_outputs_config's

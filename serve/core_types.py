@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from serve.config import EngineArgs
+from serve.expert_load import ExpertLoadStats
 from serve.sampling_params import SamplingParams
 from serve.spec_decode.stats import SpecDecodingStats
 
@@ -58,6 +59,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_blocks: int
     num_compilations: int
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters, when on
+    expert_load: ExpertLoadStats | None = None  # MoE models: token copies per expert
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

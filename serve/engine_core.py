@@ -62,6 +62,13 @@ class EngineCore:
                 f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})"
             )
+        ep = args.expert_parallel()
+        if ep > 1 and not cfg.num_experts:
+            raise ValueError(f"EngineArgs.expert_parallel_size ({ep}) needs a mixture-of-experts model (this is dense)")
+        if ep > 1 and cfg.num_experts % ep:
+            raise ValueError(
+                f"EngineArgs.expert_parallel_size ({ep}) must divide the model's num_experts ({cfg.num_experts})"
+            )
         budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
         if budget < args.max_num_seqs and args.max_num_batched_tokens is not None:
             raise ValueError(

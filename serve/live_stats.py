@@ -136,6 +136,7 @@ class LiveStats:
             "kv_usage": s.kv_cache_usage if s else 0.0,
             "prefix_cache_hit_rate": hit_rate,
             "preemptions": s.num_preemptions if s else 0,
+            "expert_load": s.expert_load.summary() if s and s.expert_load else None,
             "history": list(self.points),
             "slowest_requests": [
                 {

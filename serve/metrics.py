@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from serve.core_types import SchedulerStats
+from serve.expert_load import ExpertLoadMetrics
 from serve.live_stats import LiveStats
 from serve.output_processor import RequestIteration
 from serve.sampling_params import SamplingParams
@@ -100,6 +101,7 @@ class ServerMetrics:
         self.max_tokens = hist("request_params_max_tokens", "Each request's max_tokens.", TOKEN_BUCKETS)
         self.params_n = hist("request_params_n", "Each request's n (sequences per prompt).", N_BUCKETS)
         self.spec_decode = SpecDecodeCounters(r, prefix, model_name)
+        self.expert_load = ExpertLoadMetrics(r, prefix, model_name)
         self.model_name = model_name
         self.live = LiveStats()
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
@@ -142,6 +144,8 @@ class ServerMetrics:
                 self._seen[key] = value
             if stats.spec_decoding is not None:
                 self.spec_decode.observe(stats.spec_decoding)
+            if stats.expert_load is not None:
+                self.expert_load.observe(stats.expert_load)
         for it in iterations:
             m = it.metrics
             req = self._requests.get(it.request_id) or _Tracked("")

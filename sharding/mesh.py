@@ -65,13 +65,18 @@ def initialize_distributed(
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
-def tensor_parallel_mesh(size: int, num_kv_heads: int) -> Mesh:
-    """A serving mesh: one tensor-parallel group of the first `size` devices (KV heads split over it)."""
-    if size > len(jax.devices()):
-        raise ValueError(f"tensor_parallel_size {size} needs that many devices; {len(jax.devices())} available")
+def tensor_parallel_mesh(size: int, num_kv_heads: int, expert_parallel_size: int = 1) -> Mesh:
+    """A serving mesh: one tensor-parallel group of the first `size` devices (KV heads split over it);
+    with expert parallelism over more devices, that group repeated along the expert axis (the experts
+    split over expert x tensor, everything else replicated over expert)."""
+    devices = max(size, expert_parallel_size)
+    if devices > len(jax.devices()):
+        raise ValueError(f"{devices} devices needed for tensor/expert parallelism; {len(jax.devices())} available")
     if num_kv_heads % size:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) must be divisible by tensor_parallel_size ({size})")
-    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=size), jax.devices()[:size])
+    if devices % size:
+        raise ValueError(f"expert_parallel_size ({expert_parallel_size}) must be a multiple of tensor_parallel_size")
+    return make_mesh(MeshConfig(data=1, fsdp=1, expert=devices // size, tensor=size), jax.devices()[:devices])
 
 
 def parallel_sizes(mesh: Mesh) -> tuple[int, int]:

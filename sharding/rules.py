@@ -17,6 +17,7 @@ DP = ("data", "fsdp")  # every data-parallel rank: the batch, and ZeRO's optimiz
 _PP: Rules = {"layers": "pipeline", "stage": "pipeline"}  # stacked decoder layers and pipeline stages
 _ACTIVATIONS: Rules = {"batch": DP, "length": "context", **_PP}
 _EP: Rules = {"batch": ("data", "fsdp", "expert"), "experts": "expert"}
+_SERVE_EP: Rules = {"experts": ("expert", "tensor")}
 _TP: Rules = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 
 
@@ -39,6 +40,15 @@ PRESETS: dict[str, ShardingRules] = {
     # and fsdp), so each device routes its own tokens to the experts' devices with an all-to-all
     "ep": ShardingRules(
         "ep", {**_PP, "experts": "expert"}, {**_PP, "experts": "expert"}, {**_ACTIVATIONS, **_EP}, False
+    ),
+    # serving with expert parallelism: tensor parallelism, but each expert whole on one device of
+    # expert x tensor (not its MLP split over tensor); the replicated tokens are sliced over them
+    "tp_ep": ShardingRules(
+        "tp_ep",
+        {**_PP, **_TP, **_SERVE_EP},
+        {**_PP, **_TP, **_SERVE_EP},
+        {**_ACTIVATIONS, **_TP, **_SERVE_EP},
+        False,
     ),
     "fsdp_tp": ShardingRules(
         "fsdp_tp", {**_PP, **_TP, "embed": DP}, {**_PP, **_TP, "embed": DP}, {**_ACTIVATIONS, **_TP}, True

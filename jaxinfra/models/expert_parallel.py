@@ -1,8 +1,9 @@
-"""Expert parallelism: a mixture of experts whose experts are split over a mesh axis that also splits
-the tokens. Under shard_map each device routes its own tokens, sends every token copy to the device
-holding its expert (one all-to-all), runs its local experts as grouped matmuls and sends the results
-back (a second all-to-all); expert weights never leave their device. Dropless: each device reserves
-room for all of its copies per destination, so nothing is dropped whatever the routing."""
+"""Expert parallelism: a mixture of experts whose experts are split over mesh axes, which also split
+the tokens (training) or over which the replicated tokens are sliced (serving). Under shard_map each
+device routes its own tokens, sends every token copy to the device holding its expert (one
+all-to-all), runs its local experts as grouped matmuls and sends the results back (a second
+all-to-all); expert weights never leave their device. Dropless: each device reserves room for all of
+its copies per destination, so nothing is dropped whatever the routing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from sharding.logical import active_rules, logical_to_spec
 
@@ -59,47 +60,55 @@ def _exchange(
 
 def expert_parallel_moe(
     h: Float[Array, "B T E"],
+    valid: Bool[Array, "B T"],
     router: Float[Array, "E X"],
     expert_weights: tuple[jax.Array, jax.Array, jax.Array],
     route: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+    sums: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]],
     local_ffn: Callable[[jax.Array, jax.Array, Weights], jax.Array],
     axes: tuple[str, ...],
-) -> tuple[Float[Array, "B T E"], tuple[jax.Array, jax.Array, jax.Array]]:
-    """The routed experts' output for `h` with experts split over `axes` (which must also split the
-    batch), and the router's statistics over the whole batch: (mean probability per expert, mean
-    squared logsumexp, copies per expert). `route(logits)` -> (weights, ids, probs);
-    `local_ffn(rows, local ids, weights)` runs this device's experts (ids past them: zero rows)."""
+) -> tuple[Float[Array, "B T E"], tuple[jax.Array, ...]]:
+    """The routed experts' output for `h` with experts split over `axes`, and the router's statistics
+    summed over the whole batch's `valid` tokens. Where the batch is split over `axes` too (training),
+    each device routes its own tokens; where it is replicated over them (serving: experts folded into
+    the tensor-parallel devices) each device takes an equal slice of the tokens, and the outputs are
+    gathered back. `route(logits)` -> (weights, ids, probs); `sums(logits, probs, ids, valid)` ->
+    the statistics' sums; `local_ffn(rows, local ids, weights)` runs this device's experts (ids past
+    them: zero rows)."""
     active = active_rules()
     assert active is not None
     mesh, rules = active
     x_spec = logical_to_spec(("batch", "length", "embed"), rules, h.shape, mesh)
     token_axes = tuple(a for s in x_spec[:2] if s is not None for a in ((s,) if isinstance(s, str) else s))
-    if not set(axes) <= set(token_axes):
-        raise ValueError(f"expert parallelism over {axes} needs the batch split over them too, got {token_axes}")
+    spread = tuple(a for a in axes if a not in token_axes)  # the batch is replicated over these: slice it
+    slices = math.prod(mesh.shape[a] for a in spread)
     num_experts = router.shape[1]
     parts = math.prod(mesh.shape[a] for a in axes)
     w_spec = PartitionSpec(axes, None, None)
 
-    def body(h: jax.Array, router: jax.Array, *weights: jax.Array) -> tuple[jax.Array, tuple]:
+    def body(h: jax.Array, valid: jax.Array, router: jax.Array, *weights: jax.Array) -> tuple[jax.Array, tuple]:
         b, t, e = h.shape
-        x = h.reshape(b * t, e)
+        x, keep = h.reshape(b * t, e), valid.reshape(b * t)
+        if spread:  # this device's slice of the replicated tokens (padding rows do not count)
+            n = -(-(b * t) // slices)
+            x, keep = jnp.pad(x, ((0, n * slices - b * t), (0, 0))), jnp.pad(keep, (0, n * slices - b * t))
+            start = jax.lax.axis_index(spread) * n
+            x, keep = jax.lax.dynamic_slice_in_dim(x, start, n), jax.lax.dynamic_slice_in_dim(keep, start, n)
         logits = jnp.einsum("ne,ex->nx", x.astype(jnp.float32), router.astype(jnp.float32))
         w, ids, probs = route(logits)
         local = num_experts // parts
         y = _exchange(x, ids, local, parts, axes, lambda rows, lid: local_ffn(rows, lid, weights))  # type: ignore[arg-type]
-        out = jnp.sum(y.astype(jnp.float32).reshape(b * t, -1, e) * w[..., None], axis=1).astype(h.dtype)
+        out = jnp.sum(y.astype(jnp.float32).reshape(x.shape[0], -1, e) * w[..., None], axis=1).astype(h.dtype)
+        if spread:
+            out = jax.lax.all_gather(out, spread, tiled=True)[: b * t]
         # statistics of the whole batch: sums over every device's tokens
-        counts = jax.lax.psum(jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32), token_axes)
-        tokens = jax.lax.psum(b * t, token_axes)
-        prob_sum = jax.lax.psum(jnp.sum(probs, axis=0), token_axes)
-        z_sum = jax.lax.psum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2), token_axes)
-        return out.reshape(b, t, e), (prob_sum / tokens, z_sum / tokens, counts)
+        totals = jax.lax.psum(sums(logits, probs, ids, keep), (*token_axes, *spread))
+        return out.reshape(b, t, e), totals
 
-    stat_specs = (PartitionSpec(), PartitionSpec(), PartitionSpec())
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(x_spec, PartitionSpec(), w_spec, w_spec, w_spec),
-        out_specs=(x_spec, stat_specs),
+        in_specs=(x_spec, PartitionSpec(*x_spec[:2]), PartitionSpec(), w_spec, w_spec, w_spec),
+        out_specs=(x_spec, PartitionSpec()),
         check_vma=False,
-    )(h, router, *expert_weights)
+    )(h, valid, router, *expert_weights)

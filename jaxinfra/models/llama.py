@@ -410,11 +410,12 @@ class LlamaModel(nnx.Module):
                 x, flat = run(layer, x, i, flat)
         else:
 
-            def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+            def body(carry: tuple, xs: tuple) -> tuple[tuple, Any]:
                 (h, cache), (params, i) = carry, xs
-                return run(stack.layer(params), h, i, cache), None
+                return collect(lambda: run(stack.layer(params), h, i, cache))
 
-            (x, flat), _ = jax.lax.scan(body, (x, flat), (stack.params, jnp.arange(num_layers, dtype=jnp.int32)))
+            (x, flat), stats = jax.lax.scan(body, (x, flat), (stack.params, jnp.arange(num_layers, dtype=jnp.int32)))
+            emit(stats)
         return x, jax.tree.map(lambda a: a.reshape(num_layers, blocks, *a.shape[1:]), flat)
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:

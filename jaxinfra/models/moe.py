@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.expert_parallel import expert_axes, expert_parallel_moe
@@ -23,6 +23,7 @@ from pallas_kernels.grouped_matmul import grouped_matmul
 from sharding import constrain
 
 _STATS: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_stats", default=None)
+_VALID: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("router_valid", default=None)
 _CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("capacity_factor", default=None)
 
 
@@ -37,15 +38,28 @@ class RouterStats:
 
 
 @contextlib.contextmanager
-def record_router_stats() -> Iterator[list[RouterStats]]:
+def record_router_stats(valid: Bool[Array, "B T"] | None = None) -> Iterator[list[RouterStats]]:
     """Within: every MoE layer appends its RouterStats to the yielded list (for training losses and
-    load metrics). Layers run inside a transformation (scan, remat) hand theirs out via `collect`."""
+    load metrics). Layers run inside a transformation (scan, remat) hand theirs out via `collect`.
+    `valid`: only these tokens of the batch count (serving's padded batches); nested recorders keep it."""
     stats: list[RouterStats] = []
     token = _STATS.set(stats)
+    valid_token = _VALID.set(valid) if valid is not None else None
     try:
         yield stats
     finally:
         _STATS.reset(token)
+        if valid_token is not None:
+            _VALID.reset(valid_token)
+
+
+def expert_counts(fn: Callable[[], Any], valid: Bool[Array, "B T"]) -> tuple[Any, Int[Array, "L X"] | None]:
+    """fn() and the token copies its MoE layers routed to each expert, counting the `valid` tokens
+    only: [MoE layers, experts] int32, None for a dense model. For a serving step to return its load."""
+    with record_router_stats(valid) as stats:
+        out = fn()
+    summary = summarize(stats)
+    return out, None if summary is None else summary.counts
 
 
 @contextlib.contextmanager
@@ -92,13 +106,28 @@ def route(
     return weights, experts, probs
 
 
-def router_stats(
-    mean_probs: Float[Array, " X"], z_loss: jax.Array, counts: Int[Array, " X"], tokens: int | jax.Array
-) -> RouterStats:
-    """RouterStats from a batch's mean router probabilities, z-loss and copies per expert over its
-    `tokens` tokens; the load-balancing loss as transformers' load_balancing_loss_func."""
-    aux = mean_probs.shape[0] * jnp.sum(counts.astype(jnp.float32) / tokens * mean_probs)
-    return RouterStats(aux, z_loss, counts)
+RouterSums = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # probabilities [X], squared lse, copies [X], tokens
+
+
+def router_sums(
+    logits: Float[Array, "N X"], probs: Float[Array, "N X"], experts: Int[Array, "N K"], valid: Bool[Array, " N"] | None
+) -> RouterSums:
+    """Over a batch's valid tokens (all when None): router probabilities summed per expert, squared
+    logsumexp of the logits summed, token copies per expert, and the token count; sums, so devices
+    holding parts of the batch add theirs."""
+    w = jnp.ones(logits.shape[:1], jnp.float32) if valid is None else valid.astype(jnp.float32)
+    counts = jnp.bincount(experts.reshape(-1), jnp.repeat(w, experts.shape[1]), length=logits.shape[1])
+    z = jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return jnp.sum(probs * w[:, None], axis=0), z, counts.astype(jnp.int32), jnp.sum(w)
+
+
+def router_stats(sums: RouterSums) -> RouterStats:
+    """RouterStats from a batch's `router_sums`; the load-balancing loss as transformers'
+    load_balancing_loss_func (mean probability and copies per token of each expert)."""
+    prob_sum, z_sum, counts, tokens = sums
+    tokens = jnp.maximum(tokens, 1.0)
+    aux = prob_sum.shape[0] * jnp.sum(counts.astype(jnp.float32) / tokens * (prob_sum / tokens))
+    return RouterStats(aux, z_sum / tokens, counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +200,10 @@ class MoE(nnx.Module):
         axes = expert_axes(self.num_experts)
         if axes:  # experts split over devices: tokens travel to them (dropless)
             route_fn = lambda logits: route(logits, self.top_k, self.normalize)
-            out, (mean_probs, z, counts) = expert_parallel_moe(h, self.router[...], weights, route_fn, _local, axes)
-            emit(router_stats(mean_probs, z, counts, h.shape[0] * h.shape[1]) if _STATS.get() is not None else None)
+            valid = _VALID.get()
+            valid = jnp.ones(h.shape[:2], bool) if valid is None else valid.reshape(h.shape[:2])
+            out, sums = expert_parallel_moe(h, valid, self.router[...], weights, route_fn, router_sums, _local, axes)
+            emit(router_stats(sums) if _STATS.get() is not None else None)
         else:
             out = self._routed(h, weights)
         if self.shared is not None:
@@ -189,8 +220,8 @@ class MoE(nnx.Module):
         capacity = expert_capacity(b * t, self.top_k, self.num_experts, _CAPACITY.get())
         d = dispatch(experts, self.num_experts, capacity)
         if _STATS.get() is not None:
-            z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-            emit(router_stats(jnp.mean(probs, axis=0), z, d.counts, b * t))
+            valid = _VALID.get()
+            emit(router_stats(router_sums(logits, probs, experts, None if valid is None else valid.reshape(-1))))
         y = experts_ffn(jnp.take(x, d.order // self.top_k, axis=0), d.group_sizes, *weights)
         w = gates.reshape(-1) if d.kept is None else jnp.where(d.kept, gates.reshape(-1), 0.0)
         copies = jnp.take(y, _inverse(d.order), axis=0).astype(jnp.float32) * w[:, None]
@@ -221,6 +252,7 @@ def summarize(stats: list[RouterStats]) -> RouterStats | None:
 
 
 def imbalance(counts: Int[Array, "*L X"]) -> jax.Array:
-    """Expert load imbalance: max / mean tokens per expert, averaged over layers (1 = perfectly even)."""
-    c = counts.reshape(-1, counts.shape[-1]).astype(jnp.float32)
-    return jnp.mean(jnp.max(c, axis=-1) / jnp.maximum(jnp.mean(c, axis=-1), 1e-9))
+    """Expert load imbalance: max / mean tokens per expert, averaged over layers (1 = perfectly even).
+    Array methods only, so numpy counts (the serving engine's, on the host) work too."""
+    c = counts.reshape(-1, counts.shape[-1]).astype("float32")
+    return (c.max(-1) / c.mean(-1).clip(1e-9)).mean()

@@ -23,6 +23,9 @@ from jaxinfra.tokenizer import Tokenizer
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 DEFAULT_MODEL = str(DEFAULT_MODEL_DIR)
 DEFAULT_MODEL_NAME = "kjv-small"  # the id `jaxinfra serve` gives it
+# Its speculative draft: one narrow layer, same corpus and tokenizer (scripts/build_default_draft.py).
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent / "default_draft"
+DEFAULT_DRAFT_NAME = "default-draft"  # the name `model` takes for it in a speculative_config
 ON_THE_FLY: dict[str, dict[str, Any]] = {
     "int8": {"method": "rtn", "bits": 8, "group_size": 0},
     "int4": {"method": "rtn", "bits": 4},
@@ -32,6 +35,8 @@ QUANTIZATION_CHOICES = (*QUANT_METHODS, *ON_THE_FLY)
 
 def _resolve(path_or_preset: str | Path) -> Path | str:
     """A directory holding the HF config.json (a run directory resolves to its model/ folder), or a preset."""
+    if str(path_or_preset) == DEFAULT_DRAFT_NAME:
+        return DEFAULT_DRAFT_DIR
     path = Path(path_or_preset)
     if is_run_dir(path):
         return path / "model"

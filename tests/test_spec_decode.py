@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
 
+from jaxinfra.loading import DEFAULT_MODEL, load_config
 from serve import EngineArgs
 from serve.sampler import ROW_FIELDS, SamplingTensors, apply_penalties, sample
 from serve.spec_decode import NgramProposer, SpeculativeConfig, rejection_sample
@@ -62,6 +63,22 @@ def test_a_bad_config_is_refused_naming_the_field(config, message):
     with pytest.raises(ValueError, match="EngineArgs.speculative_config") as e:
         EngineArgs(model="kjv-small-arch", speculative_config=config)  # a vocabulary of 4096
     assert message in str(e.value)
+
+
+def test_the_embedded_models_draft_is_found_by_name():
+    """ "default-draft" is the draft shipped beside the embedded model: same vocabulary, one layer."""
+    c = SpeculativeConfig.from_dict(
+        {"method": "draft_model", "model": "default-draft", "num_speculative_tokens": 3}, target_model=DEFAULT_MODEL
+    )
+    assert load_config(c.model).num_layers == 1 < load_config(DEFAULT_MODEL).num_layers
+    from serve.http.cli_args import build_parser, engine_args_from
+
+    spec = '{"method": "draft_model", "model": "default-draft", "num_speculative_tokens": 3}'
+    argv = ["--model", "tiny-llama", "--speculative-config", spec]
+    with pytest.raises(
+        ValueError, match="--speculative-config.model has a vocabulary of 4096 tokens, the target's has 512"
+    ):
+        engine_args_from(build_parser().parse_intermixed_args(argv))
 
 
 def test_speculative_config_flag_reads_json():

@@ -138,7 +138,7 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         if self.enable_expert_parallel and self.expert_parallel_size not in (1, tp):
             raise bad("expert_parallel_size", f"must be 1 or tensor_parallel_size ({tp}) with enable_expert_parallel")
-        if self.expert_parallel_size % tp:
+        if self.expert_parallel_size > 1 and self.expert_parallel_size % tp:
             raise bad("expert_parallel_size", f"must be a multiple of tensor_parallel_size ({tp})")
         if self.speculative_config is not None:
             self.speculative()

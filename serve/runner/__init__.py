@@ -1,0 +1,13 @@
+"""The model runner, one role a file: `sizing` (step buckets, KV pool size), `batch` (the persistent
+batch of per-sequence rows), `inputs` (a SchedulerOutput turned into a step's padded arrays),
+`device_step` (the jitted forward, sampling, verify, resample and decode loop), `inflight` (a
+dispatched step and its results) and `model_runner` (weights and pools placed, steps dispatched,
+warm-up)."""
+
+from serve.runner.batch import SlotTable
+from serve.runner.inflight import InFlight
+from serve.runner.inputs import StepBatch, StepInputs
+from serve.runner.model_runner import ModelRunner
+from serve.runner.sizing import buckets, fit, num_blocks_for_memory
+
+__all__ = ["InFlight", "ModelRunner", "SlotTable", "StepBatch", "StepInputs", "buckets", "fit", "num_blocks_for_memory"]

@@ -1,0 +1,39 @@
+"""A dispatched step: the device arrays it fills, and their host copies once it is done."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from serve.runner.inputs import StepBatch
+from serve.sampler import SamplerOutput
+from serve.scheduler import StepResult
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step: its batch and the device arrays it will fill."""
+
+    batch: StepBatch
+    out: SamplerOutput
+    prompt: tuple[jax.Array, ...]  # prompt logprob arrays, empty for a decode loop
+    num_emitted: jax.Array | None = None  # verify step: tokens each row emitted (out.tokens [S, k+1])
+
+    def wait(self) -> None:
+        """Block until the device has finished the step."""
+        jax.block_until_ready(self.out.tokens)
+
+    def fetch(self) -> StepResult:
+        """The step's results on the host: tokens, and logprobs only when a row asked for them."""
+        want_lp = any(s.params.logprobs is not None for s in self.batch.sched.seqs)
+        arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]
+        if self.batch.prompt_logprobs:
+            arrays += list(self.prompt)
+        host = jax.device_get([*arrays, *(() if self.num_emitted is None else (self.num_emitted,))])
+        res = StepResult(host[0], None if self.num_emitted is None else host.pop())
+        if want_lp:
+            res.logprobs = (host[1], host[2], host[3])
+        if self.batch.prompt_logprobs:
+            res.prompt_logprobs = (host[-3], host[-2], host[-1])
+        return res

@@ -1,0 +1,237 @@
+"""ModelRunner: places the weights and KV pools, turns each SchedulerOutput into a step batch and
+dispatches the jitted device step; compiles every step shape at warm-up.
+
+Steps are dispatched asynchronously: `dispatch` returns at once and `InFlight.fetch` waits; a
+decode whose previous token is still on the device reads it there. A decode-only batch may run
+`num_steps` decode steps inside one jitted loop. Penalties and structured-output masks resample the
+step's logits in a second jitted call; the host fills the masks while the first call runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxinfra.models import LlamaModel
+from jaxinfra.models.llama import layer_graph, stack_layers
+from pallas_kernels import PagedKVCache, paged_head_dim, paged_impl
+from pallas_kernels.kv_quant import is_quantized_kv
+from serve.config import kv_storage_dtype
+from serve.host_transfer import pack
+from serve.runner.batch import SlotTable
+from serve.runner.device_step import DeviceStep
+from serve.runner.inflight import InFlight
+from serve.runner.inputs import InputBuilder, StepBatch
+from serve.runner.sizing import buckets
+from serve.scheduler import SchedulerOutput
+from serve.spec_decode.verify_batch import verify_arrays
+from serve.structured_output import GrammarCompiler, bitmask_words
+from sharding import get_rules, named_sharding, shard_state, tensor_parallel_mesh
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv_cache_dtype: str = "auto",
+        eos_token_ids: tuple[int, ...] = (),
+        tensor_parallel_size: int = 1,
+        attn_impl: str | None = None,
+        num_scheduler_steps: int = 1,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        """`num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up."""
+        cfg = model.cfg
+        self.cfg = cfg
+        self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = math.ceil(max_model_len / block_size)
+        self.num_scheduler_steps = num_scheduler_steps
+        self.num_speculative_tokens = num_speculative_tokens
+        self.attn_impl = paged_impl(attn_impl)
+        graphdef, self.state = nnx.split(model)
+        dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
+        # One pool for every layer, stacked on a leading layers axis: the layers run as one scan.
+        self.kv_cache = PagedKVCache.zeros(
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            paged_head_dim(cfg.head_dim, self.attn_impl),
+            dtype,
+            num_layers=cfg.num_layers,
+        )
+        rules = get_rules("tp")
+        mesh = None
+        if tensor_parallel_size > 1:  # weights and KV pools split over KV heads
+            mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads)
+            self.state = shard_state(self.state, mesh, rules.params)
+            axes = (None, None, None, "kv_heads", "head_dim")
+            self.kv_cache = jax.tree.map(
+                lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], rules.params, a.shape, mesh)),
+                self.kv_cache,
+            )
+        params = nnx.to_pure_dict(self.state)
+        template = list(nnx.to_flat_state(self.state))
+        try:  # identical layers: their weights stacked once here, scanned in every step
+            self.layer_graph: tuple[nnx.GraphDef, list] | None = layer_graph(model.layers)
+            params = stack_layers(params)
+        except ValueError:
+            self.layer_graph = None
+        # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
+        self.weights, state_def = jax.tree.flatten(params)
+        self.device = DeviceStep(
+            cfg,
+            graphdef,
+            template,
+            self.layer_graph,
+            state_def,
+            mesh,
+            rules.activations,
+            block_size,
+            max_num_seqs,
+            self.eos_token_ids,
+        )
+        self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
+        self.seq_buckets = buckets(max_num_seqs, 1)
+        # Block-table columns (both attention implementations read only the pages a batch uses); below
+        # 16 pages a narrower table saves less than its compiled shapes cost at start-up.
+        self.width_buckets = buckets(self.max_blocks, min(16, self.max_blocks), factor=4)
+        self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
+        pool = self.kv_cache.k
+        self.inputs = InputBuilder(
+            self.slots,
+            block_size,
+            max_num_seqs,
+            max_model_len,
+            self.token_buckets,
+            self.seq_buckets,
+            self.width_buckets,
+            self.attn_impl,
+            (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
+        )
+        self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
+        self.prev_tokens = self._no_prev  # the last single step's sampled tokens, on device
+        self.prev_rows: dict[int, int] = {}  # seq_id -> its row in prev_tokens
+        d = self.device
+        self._step = jax.jit(d.step, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+        self._multi = jax.jit(d.multi, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
+        self._resample = jax.jit(d.resample, static_argnames=("layout",))
+        self._verify = jax.jit(d.verify, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+        self.grammar: GrammarCompiler | None = None  # set by the engine core with its first structured request
+
+    @property
+    def num_compilations(self) -> int:
+        """Step shapes compiled so far (warm-up's, and any after it: there should be none)."""
+        return self.device.num_compilations
+
+    # --- host side --------------------------------------------------------------------------------
+    def free_rows(self, sched: SchedulerOutput) -> None:
+        """Free the rows of sequences that left the batch (finished, aborted or preempted) since the
+        last step; the engine calls it for steps that schedule nothing too, so no row leaks."""
+        for seq_id in sched.finished:
+            self.slots.release(seq_id)
+        for seq in sched.preempted:
+            self.slots.release(seq.seq_id)
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """Host arrays for one step (or a multi-step decode loop), from the scheduler's output; rows of
+        sequences that left the batch are freed first."""
+        self.free_rows(sched)
+        return self.inputs.prepare(sched, self.prev_rows)
+
+    def dispatch(self, batch: StepBatch) -> InFlight:
+        """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
+        seqs = batch.sched.seqs
+        if batch.budget is not None:
+            buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
+            out, self.prev_tokens, self.kv_cache = self._multi(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
+            )
+            self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+            return InFlight(batch, out, ())
+        if batch.spec is not None:
+            buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
+            out, num_emitted, self.prev_tokens, self.kv_cache = self._verify(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+            )
+            self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+            return InFlight(batch, out, (), num_emitted)
+        buffers, layout = pack((batch.inputs, batch.sampling))
+        out, padded, logits, prompt, self.kv_cache = self._step(
+            self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+        )
+        if batch.history is not None:
+            sb = batch.history[0].shape[0]
+            bitmask = np.full((sb, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+            if batch.grammar_rows:
+                assert self.grammar is not None
+                self.grammar.fill(batch.grammar_rows, bitmask)  # while the forward pass runs
+            bias = batch.bias or self.slots.bias(np.zeros(0, np.int32), sb)
+            buffers, layout = pack((batch.sampling, *batch.history, bitmask, *bias))
+            out, padded = self._resample(logits, buffers, layout=layout)
+        self.prev_tokens = padded
+        self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        return InFlight(batch, out, prompt)
+
+    def compiled_text(self, batch: StepBatch) -> str:
+        """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
+        if batch.budget is not None:
+            buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
+            lowered = self._multi.lower(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
+            )
+        else:
+            buffers, layout = pack((batch.inputs, batch.sampling))
+            lowered = self._step.lower(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+            )
+        return lowered.compile().as_text() or ""
+
+    # --- warm-up ----------------------------------------------------------------------------------
+    def shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (tokens, sequences, block-table width, max_q_len) a step can have: decode-only
+        batches (one token per sequence bucket slot) and batches with a prompt chunk."""
+        decode = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
+        return decode + [(tb, self.max_num_seqs, w, tb) for tb in self.token_buckets for w in self.width_buckets]
+
+    def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
+        """An empty batch of the given shape (what warm-up compiles)."""
+        return self.inputs.dummy(tb, sb, width, q, num_steps)
+
+    def warmup(self) -> None:
+        """Compile every step shape (`shapes()`), the resampler per sequence bucket and, with
+        num_scheduler_steps > 1, the decode loop per decode shape."""
+        jobs = [self.dummy(*shape) for shape in self.shapes()]
+        if self.num_scheduler_steps > 1:
+            jobs += [
+                self.dummy(sb, sb, w, 1, self.num_scheduler_steps)
+                for sb in self.seq_buckets
+                for w in self.width_buckets
+            ]
+        for sb in self.seq_buckets:
+            batch = self.dummy(sb, sb, self.width_buckets[0], 1)
+            batch.history = self.inputs.history([], sb)
+            jobs.append(batch)
+        k = self.num_speculative_tokens
+        for tb, sb, w, q in self.shapes() if k else ():
+            if q > 1:  # a verify step carries k + 1 tokens a row: never a decode-only batch
+                batch = self.dummy(tb, sb, w, q)
+                batch.spec = verify_arrays(np.zeros((0, k), np.int32), np.zeros(0, np.int32), sb)
+                jobs.append(batch)
+        for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):
+            self.dispatch(batch)
+        jax.block_until_ready(self.kv_cache)
+        self.prev_tokens, self.prev_rows = self._no_prev, {}

@@ -137,6 +137,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Check and queue a request (ValueError for bad input, EngineDeadError if the core is gone);
         returns the stream of its outputs."""
@@ -145,7 +146,13 @@ class AsyncEngine:
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = self.input_processor.process(
-            request_id, prompt, params, cache_salt=cache_salt, prompt_token_ids=prompt_token_ids, priority=priority
+            request_id,
+            prompt,
+            params,
+            cache_salt=cache_salt,
+            prompt_token_ids=prompt_token_ids,
+            priority=priority,
+            kv_transfer_params=kv_transfer_params,
         )
         self.start()
         queue: asyncio.Queue = asyncio.Queue()

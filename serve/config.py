@@ -13,6 +13,7 @@ from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
+from serve.kv_transfer.config import KVTransferConfig
 from serve.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", *MODEL_DTYPES)
@@ -65,7 +66,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     """KV blocks to allocate, whatever the memory."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV pool off GPU (default 256 MiB)."""
+    """Bytes of KV pool on each device, whatever gpu_memory_utilization says (default off GPU: 256 MiB)."""
     kv_cache_dtype: str = "auto"
     """auto | int8 | fp8 (e4m3): quantized with a scale per token and head."""
     quantization: str | None = None
@@ -95,6 +96,9 @@ class EngineArgs:
     schema's objects that do not say otherwise allow no other keys, as vLLM's default backend; false: JSON
     Schema's lenient reading), applied by the HTTP server; a request's strict or
     structured_outputs.additional_properties wins."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """Prefill/decode disaggregation as vLLM's JSON, e.g. {"kv_connector": "SharedMemoryConnector",
+    "kv_role": "kv_producer", "offer_timeout_s": 30} (set by --role prefill|decode; serve/kv_transfer/config.py)."""
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     """JAX's persistent compilation cache ("" = off)."""
 
@@ -142,6 +146,7 @@ class EngineArgs:
             raise bad("expert_parallel_size", f"must be a multiple of tensor_parallel_size ({tp})")
         if self.speculative_config is not None:
             self.speculative()
+        self.kv_transfer()
         self.lenient_json_schemas()
 
     def expert_parallel(self) -> int:
@@ -167,6 +172,15 @@ class EngineArgs:
             return None
         try:
             return SpeculativeConfig.from_dict(self.speculative_config, target_model=self.model)
+        except ValueError as e:
+            raise ValueError(f"EngineArgs.{e}") from None
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The parsed kv_transfer_config (None: no connector); a bad one is a ValueError naming its field."""
+        if self.kv_transfer_config is None:
+            return None
+        try:
+            return KVTransferConfig.from_dict(self.kv_transfer_config)
         except ValueError as e:
             raise ValueError(f"EngineArgs.{e}") from None
 

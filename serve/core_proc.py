@@ -142,6 +142,7 @@ def run_engine_core(launch: CoreLaunch) -> None:
             elif idle and not inp.poll(PARENT_CHECK_MS):
                 if os.getppid() != parent:
                     return  # orphaned: the frontend is gone
+                core.poll_kv_transfers()
                 continue
             reply = EngineCoreOutputs(rejected=grammars.admit())
             arrived = False

@@ -3,10 +3,13 @@ structs: encoded with msgpack over the local socket (never pickle), passed as is
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from serve.config import EngineArgs
 from serve.expert_load import ExpertLoadStats
+from serve.kv_transfer.stats import KVTransferStats
 from serve.sampling_params import SamplingParams
 from serve.spec_decode.stats import SpecDecodingStats
 
@@ -21,6 +24,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
     arrival_time: float
     cache_salt: str | None = None
     priority: int = 0  # with the priority policy: lower runs first
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregation: what the KV connector reads (vLLM's)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -44,6 +48,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0  # first output only: prompt tokens found in the prefix cache
     first_scheduled: float | None = None  # first output only: when the request was first scheduled
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # index 0's first output, if asked
+    kv_transfer_params: dict[str, Any] | None = None  # last output: where a prefill engine offers the KV
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -59,6 +64,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_blocks: int
     num_compilations: int
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters, when on
+    kv_transfer: KVTransferStats | None = None  # disaggregation's transfer counters, with a KV connector
     expert_load: ExpertLoadStats | None = None  # MoE models: token copies per expert
 
 

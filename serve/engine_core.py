@@ -23,6 +23,7 @@ from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from serve.device_memory import memory_breakdown
 from serve.kv_cache import BlockManager
+from serve.kv_transfer.worker import KVTransferWorker
 from serve.runner import InFlight, ModelRunner, num_blocks_for_memory
 from serve.scheduler import CoreRequest, Scheduler
 from serve.sequence import Sequence
@@ -93,6 +94,8 @@ class EngineCore:
         if spec is not None and spec.method != "ngram":
             raise ValueError(f"EngineArgs.speculative_config.method {spec.method!r} is not served yet (ngram is)")
         proposer = NgramProposer(spec) if spec is not None else None
+        kv_transfer = args.kv_transfer()
+        connector = kv_transfer.connector(args.block_size) if kv_transfer is not None else None
         self.scheduler = Scheduler(
             self.block_manager,
             args.max_num_seqs,
@@ -104,6 +107,7 @@ class EngineCore:
             num_scheduler_steps=args.num_scheduler_steps,
             proposer=proposer,
             disable_spec_above=spec.disable_by_batch_size if spec is not None else None,
+            connector=connector,
         )
         self.runner = ModelRunner(
             model,
@@ -119,6 +123,7 @@ class EngineCore:
             num_scheduler_steps=args.num_scheduler_steps,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
+        self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
         self.requests = self.scheduler.requests  # the scheduler owns request state
         self.inflight: collections.deque[InFlight] = collections.deque()
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
@@ -159,6 +164,7 @@ class EngineCore:
                 matchers = [self.grammar().matcher(p.structured_outputs) for _ in seqs]
             for seq, matcher in zip(seqs, matchers):
                 seq.matcher = matcher
+        seqs[0].kv_transfer_params = req.kv_transfer_params  # siblings share its prompt blocks
         self.scheduler.add_request(CoreRequest(req, seqs, seqs[1:]))
 
     def abort_requests(self, request_ids: Iterable[str], sequences: Iterable[tuple[str, int]] = ()) -> None:
@@ -179,6 +185,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.inflight)
 
+    def poll_kv_transfers(self) -> None:
+        """While idle: free offered KV blocks that were pulled or expired."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_step()
+
     # --- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule -> execute -> update: schedule the next step and dispatch it, then apply the
@@ -192,12 +203,15 @@ class EngineCore:
                 self._update(self.inflight.popleft(), outputs)
         self.scheduler.now = time.monotonic()
         sched = self.scheduler.schedule()
+        kv_meta = self.kv_transfer.before_step(sched) if self.kv_transfer is not None else None
         keep = 0
         if sched.seqs:
             self.inflight.append(self.runner.dispatch(self.runner.prepare(sched)))
             keep = 1 if self.args.async_scheduling else 0
         else:
             self.runner.free_rows(sched)
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_step(kv_meta)
         while len(self.inflight) > keep:
             self._update(self.inflight.popleft(), outputs)
         self.step_time = time.perf_counter() - start
@@ -223,6 +237,7 @@ class EngineCore:
             bm.num_blocks,
             self.runner.num_compilations,
             self.scheduler.spec_stats,
+            kv_transfer=self.kv_transfer.connector.get_kv_connector_stats() if self.kv_transfer is not None else None,
         )
 
     def check_invariants(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> EngineCoreRequest:
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
@@ -91,6 +93,8 @@ class InputProcessor:
             raise ValueError("priority is set but the engine's scheduling_policy is not 'priority'")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError("kv_transfer_params must be an object")
         seed = params.device_seed
         if seed is None:
             seed = int(self.rng.integers(2**31 - 1))
@@ -102,4 +106,5 @@ class InputProcessor:
             time.monotonic() if arrival_time is None else arrival_time,
             cache_salt,
             priority,
+            kv_transfer_params,
         )

@@ -95,6 +95,7 @@ class _Common(_Lenient):
     return_token_ids: bool = False
     cache_salt: str | None = None
     priority: int = Field(0, ge=-(2**63), lt=2**63)
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregation (vLLM's): read by the KV connector
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from jaxinfra.tokenizer import Tokenizer
 from serve.core_types import EngineCoreOutput, TokenLogprobs
@@ -64,6 +65,7 @@ class _Request:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     unfinished: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     def finish(self, seq: _Seq, reason: str, stop_reason: int | str | None = None) -> None:
         if seq.finish_reason is None:
@@ -134,6 +136,7 @@ class OutputProcessor:
                     to_abort.append((req.request_id, seq.index))
             elif co.finish_reason is not None:
                 req.finish(seq, co.finish_reason, co.stop_reason)
+            req.kv_transfer_params = co.kv_transfer_params or req.kv_transfer_params
             seq.token_ids += tokens
             if logprobs and seq.logprobs is not None:
                 seq.logprobs.extend(logprob_entry(lp) for lp in logprobs)
@@ -219,4 +222,5 @@ class OutputProcessor:
             finished,
             req.metrics,
             req.num_cached_tokens,
+            req.kv_transfer_params,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 # Per position: {token_id: logprob} holding the sampled (or actual prompt) token and the top-n.
 Logprobs = list[dict[int, float]]
@@ -43,3 +44,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's: where the prompt's KV is offered

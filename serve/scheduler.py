@@ -16,6 +16,7 @@ import numpy as np
 
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from serve.kv_cache import BlockManager
+from serve.kv_transfer.base import KVConnectorBase
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
 from serve.spec_decode import NgramProposer, SpecDecodingStats
@@ -107,9 +108,10 @@ class Scheduler:
         num_scheduler_steps: int = 1,
         proposer: NgramProposer | None = None,
         disable_spec_above: int | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         """`proposer`: speculative decoding's, drafting for decodes while at most `disable_spec_above`
-        sequences run (None: always)."""
+        sequences run (None: always). `connector`: disaggregation's KV connector (scheduler side)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -121,6 +123,8 @@ class Scheduler:
         self.proposer = proposer
         self.disable_spec_above = disable_spec_above
         self.spec_stats = SpecDecodingStats(proposer.k) if proposer is not None else None
+        self.connector = connector
+        self.loading: dict[int, Sequence] = {}  # seq id -> a waiting sequence whose remote KV is loading
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, CoreRequest] = {}
@@ -157,16 +161,18 @@ class Scheduler:
         if req.finished:
             del self.requests[rid]
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: Sequence) -> dict[str, Any] | None:
         """Drop a sequence (finished or aborted) and free its blocks; the runner frees its row at the
-        next step."""
+        next step. Returns the KV connector's kv_transfer_params for the client (blocks it offers)."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
-        elif seq.status == Status.WAITING:
+        elif self.loading.pop(seq.seq_id, None) is None and seq.status == Status.WAITING:
             self.waiting.remove(seq)
+        params = self.connector.request_finished(seq, seq.block_ids)[1] if self.connector is not None else None
         self.bm.free(seq)
         seq.status = Status.FINISHED
         self.finished_ids.append(seq.seq_id)
+        return params
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
@@ -213,6 +219,8 @@ class Scheduler:
                 break  # its last token is still on the device
             if not seq.block_ids:
                 seq.num_computed_tokens = seq.num_cached_tokens = self.bm.allocate_prefix(seq)
+                if self.connector is not None and self._load_remote(seq):
+                    continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             # Without chunking a prompt waits for a step with room for all of it (the budget holds
@@ -229,6 +237,31 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return self._output(scheduled, preempted, drafts)
+
+    def _load_remote(self, seq: Sequence) -> bool:
+        """KV connector: a waiting prompt that a remote engine computed gets blocks for those tokens and
+        waits out of the queue while the worker loads them (this step); True if so."""
+        assert self.connector is not None
+        external = self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens)
+        if external == 0 or not self.bm.allocate_slots(seq, external):
+            return False
+        self.connector.update_state_after_alloc(seq, seq.block_ids, external)
+        seq.num_computed_tokens += external
+        self.waiting.popleft()
+        self.loading[seq.seq_id] = seq
+        return True
+
+    def finish_loads(self, loaded: set[str], failed: set[str]) -> None:
+        """The worker loaded (or failed to load: recompute past the local prefix) these requests'
+        remote KV: back to the front of the queue, computed."""
+        for seq in list(self.loading.values()):
+            if seq.request_id in failed:
+                seq.num_computed_tokens = seq.num_cached_tokens
+            elif seq.request_id not in loaded:
+                continue
+            del self.loading[seq.seq_id]
+            seq.kv_transfer_params = None  # pulled or gone: never asked for again (a preemption recomputes)
+            self.add(seq, front=True)
 
     def _propose(self) -> dict[int, list[int]]:
         """Speculative decoding: the proposer's drafts for running decodes (seq id -> tokens), when
@@ -399,7 +432,7 @@ class Scheduler:
         if seq.finish_reason is None:
             return False
         out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
-        self.remove(seq)
+        out.kv_transfer_params = self.remove(seq)
         if self.requests[seq.request_id].finished:
             del self.requests[seq.request_id]
         return True

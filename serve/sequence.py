@@ -62,6 +62,7 @@ class Sequence:
         self.started = False  # has sent an output
         self.first_scheduled: float | None = None
         self.matcher: Any = None  # structured outputs: the llguidance matcher following its output
+        self.kv_transfer_params: dict[str, Any] | None = None  # disaggregation: read by the KV connector
         # the stop rules, read every step
         self.max_output = INT32_MAX if params.max_tokens is None else params.max_tokens
         self.min_tokens = params.min_tokens

@@ -73,7 +73,8 @@ def test_prefill_offers_and_decode_loads_missing_blocks(kind):
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name])
         np.testing.assert_array_equal(blocks_of(holder.kv_cache, [0, 1, 2, 4, 5, 7])[name], untouched[name])
-    assert d_conn.blocks_loaded == 2 and d_conn.bytes_loaded == sum(a.nbytes for a in got.values())
+    stats = d_conn.get_kv_connector_stats()
+    assert stats.xfer_count["load"] == 1 and stats.bytes["load"] == sum(a.nbytes for a in got.values())
 
     p_conn.get_finished()  # the segment is gone: pulled
     assert len(p_conn.offers) == 0 and (p_conn.offers.blocks_pulled, p_conn.offers.blocks_expired) == (3, 0)
@@ -96,3 +97,4 @@ def test_other_prompt_is_not_loaded_and_expired_offer_is_recomputed():
     assert (p_conn.offers.blocks_pulled, p_conn.offers.blocks_expired) == (0, 3)
     d_conn.start_load_kv(d_conn.build_connector_meta(SchedulerOutput([], *(np.zeros(0, int),) * 4)))
     assert d_conn.get_finished() == (set(), set()) and d_conn.get_failed_loads() == {"r2"}
+    assert d_conn.get_kv_connector_stats().num_failed_transfers == 1

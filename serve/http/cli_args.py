@@ -87,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--role",
-        choices=("both", "proxy"),
+        choices=("both", "prefill", "decode", "proxy"),
         default="both",
-        help="both: one engine serving whole requests; proxy: one endpoint over --prefill and --decode engines",
+        help="both: one engine serving whole requests; prefill/decode: an engine that offers its prompts' KV "
+        "blocks / pulls them (kv_transfer_config's shared-memory connector); proxy: one endpoint over --prefill "
+        "and --decode engines",
     )
     p.add_argument("--prefill", action="append", default=[], metavar="URL", help="with --role proxy (repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="with --role proxy (repeatable)")

@@ -123,13 +123,14 @@ class Generation:
         self.tenant: Tenant | None = None  # who sent it (with --api-keys-file): its cache salt and priority
 
     def engine_request_options(self) -> dict[str, Any]:
-        """cache_salt and priority for the engine: the tenant's cache group salts every request, and
-        its priority adds to the request's under the priority policy."""
+        """cache_salt, priority and kv_transfer_params for the engine: the tenant's cache group salts
+        every request, and its priority adds to the request's under the priority policy."""
         req, tenant = self.req, self.tenant
+        kv = {"kv_transfer_params": req.kv_transfer_params}
         if tenant is None:
-            return {"cache_salt": req.cache_salt, "priority": req.priority}
+            return {"cache_salt": req.cache_salt, "priority": req.priority, **kv}
         boost = tenant.priority if self.state.engine.args.scheduling_policy == "priority" else 0
-        return {"cache_salt": tenant.cache_salt(req.cache_salt), "priority": req.priority + boost}
+        return {"cache_salt": tenant.cache_salt(req.cache_salt), "priority": req.priority + boost, **kv}
 
     async def start(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         streams: list[AsyncGenerator[RequestOutput, None]] = []
@@ -159,6 +160,11 @@ class Generation:
         self.completion_tokens += sum(len(o.token_ids) for o in out.outputs)
         if out.finished:
             self.final[i] = out
+
+    def kv_transfer_params(self) -> dict[str, Any]:
+        """The response's kv_transfer_params, when the engine offers the prompt's KV (a prefill engine)."""
+        params = next((out.kv_transfer_params for out in self.final.values() if out.kv_transfer_params), None)
+        return {} if params is None else {"kv_transfer_params": params}
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p) for p in self.prompts)

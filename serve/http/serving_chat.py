@@ -90,6 +90,7 @@ class ServingChat(GenerationServing):
         if usage_only:
             return {**self.envelope(gen, "chat.completion.chunk"), "choices": [], "usage": gen.usage()}
         body: dict[str, Any] = {**self.envelope(gen, "chat.completion"), "choices": [], "usage": gen.usage()}
+        body.update(gen.kv_transfer_params())
         assert isinstance(gen, ChatGeneration)
         req = cast(ChatCompletionRequest, gen.req)
         out = gen.final[0]

@@ -88,6 +88,7 @@ class ServingCompletion(GenerationServing):
 
     def final(self, gen: Generation, usage_only: bool) -> dict[str, Any]:
         body: dict[str, Any] = {**self.envelope(gen, "text_completion"), "choices": [], "usage": gen.usage()}
+        body.update(gen.kv_transfer_params())
         if not usage_only:
             body["choices"] = [
                 self._choice(gen, i, gen.final[i], o) for i in sorted(gen.final) for o in gen.final[i].outputs

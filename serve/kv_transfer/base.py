@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import msgspec
 
 from pallas_kernels import PagedKVCache
+from serve.kv_transfer.stats import KVTransferStats
 
 ALL_LAYERS = -1  # the layers run as one scan: per-layer hooks are called once, for every layer
 
@@ -104,3 +105,7 @@ class KVConnectorBase(abc.ABC):
     @abc.abstractmethod
     def get_failed_loads(self) -> set[str]:
         """Requests whose loads failed or timed out: the scheduler recomputes them from their local prefix."""
+
+    def get_kv_connector_stats(self) -> KVTransferStats | None:
+        """Cumulative transfer counters for /metrics (None: the transport keeps none)."""
+        return None

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int
 
 from pallas_kernels import PagedKVCache
@@ -25,6 +26,14 @@ def pool_fields(pool: PagedKVCache) -> dict[str, jax.Array]:
     """The pool's arrays by field name (k, v and, when quantized, k_scale, v_scale)."""
     arrays = {"k": pool.k, "v": pool.v, "k_scale": pool.k_scale, "v_scale": pool.v_scale}
     return {name: a for name, a in arrays.items() if a is not None}
+
+
+def padded_ids(ids: list[int]) -> np.ndarray:
+    """`ids` padded to the next power of two by repeating the last one: the jitted gather and scatter
+    compile once per power of two, not once per block count (a repeated block is written twice, the
+    same bytes)."""
+    n = 1 << max(len(ids) - 1, 0).bit_length()
+    return np.asarray([*ids, *[ids[-1]] * (n - len(ids))], np.int32)
 
 
 @jax.jit

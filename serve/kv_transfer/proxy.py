@@ -34,9 +34,10 @@ class ClientGone(Exception):
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The request a prefill engine gets: the prompt, one token, not streamed, its KV kept for decode."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
-    out["max_tokens"] = 1
+    """The request a prefill engine gets: the prompt, one sequence of one token, not streamed, its KV kept
+    for decode (the decode engine makes every sequence, n of them, from the one prompt's blocks)."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens", "best_of")}
+    out["max_tokens"], out["n"] = 1, 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["kv_transfer_params"] = {"do_remote_decode": True}

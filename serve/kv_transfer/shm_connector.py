@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import msgspec
 import numpy as np
@@ -33,6 +35,7 @@ from serve.kv_transfer.base import (
 )
 from serve.kv_transfer.offers import OfferTable
 from serve.kv_transfer.shm_transport import ShmHandle, read_blocks, release, segment_exists, write_blocks
+from serve.kv_transfer.stats import KVTransferStats
 
 
 def prompt_digest(tokens: list[int]) -> str:
@@ -51,7 +54,7 @@ class RemotePrefill(msgspec.Struct):
 class SharedMemoryConnector(KVConnectorBase):
     """Both roles in one object: a prefill engine uses the save half, a decode engine the load half."""
 
-    def __init__(self, block_size: int, offer_timeout_s: float = 30.0) -> None:
+    def __init__(self, block_size: int, offer_timeout_s: float = 30.0, role: str = "kv_both") -> None:
         self.block_size = block_size
         self.offers = OfferTable(offer_timeout_s)
         self.holder: PoolHolder | None = None
@@ -62,8 +65,7 @@ class SharedMemoryConnector(KVConnectorBase):
         self.pending_loads: list[LoadSpec] = []
         self.loaded: set[str] = set()
         self.failed: set[str] = set()
-        self.bytes_loaded = 0
-        self.blocks_loaded = 0
+        self.stats = KVTransferStats(role)
 
     # --- scheduler side -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -80,8 +82,10 @@ class SharedMemoryConnector(KVConnectorBase):
         prompt = request.tokens[: request.prompt_len]
         if remote.num_tokens != request.prompt_len or remote.digest != prompt_digest(prompt):
             return 0
-        self.remote[request.request_id] = remote
-        return max(request.prompt_len - 1 - num_computed_tokens, 0)
+        external = max(request.prompt_len - 1 - num_computed_tokens, 0)
+        if external:
+            self.remote[request.request_id] = remote
+        return external
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         remote = self.remote.pop(request.request_id, None)
@@ -125,22 +129,30 @@ class SharedMemoryConnector(KVConnectorBase):
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         holder = self._pools()
         for load in metadata.loads:
-            handle = msgspec.convert(load.params, ShmHandle)
+            start = time.perf_counter()
             try:
-                holder.kv_cache = read_blocks(handle, holder.kv_cache, load.local_block_ids, load.first_remote)
-            except (FileNotFoundError, ValueError):
+                handle = msgspec.convert(load.params, ShmHandle)
+                holder.kv_cache = jax.block_until_ready(
+                    read_blocks(handle, holder.kv_cache, load.local_block_ids, load.first_remote)
+                )
+            except (FileNotFoundError, ValueError, msgspec.ValidationError):
                 self.failed.add(load.request_id)
+                self.stats.num_failed_transfers += 1
                 continue
             self.loaded.add(load.request_id)
-            self.blocks_loaded += len(load.local_block_ids)
-            self.bytes_loaded += handle_nbytes(handle, len(load.local_block_ids))
+            nbytes = handle_nbytes(handle, len(load.local_block_ids))
+            self.stats.observe("load", time.perf_counter() - start, nbytes)
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Loads are synchronous, every layer at once: nothing to wait for."""
 
     def save_kv_layer(self, layer: int, pools: PagedKVCache, metadata: KVConnectorMetadata) -> None:
+        if metadata.saves:
+            jax.block_until_ready(pools)  # the step that computed them: not part of the transfer's time
         for save in metadata.saves:
+            start = time.perf_counter()
             handle = write_blocks(pools, save.block_ids)
+            self.stats.observe("save", time.perf_counter() - start, handle_nbytes(handle, handle.num_blocks))
             self.saved[save.request_id] = RemotePrefill(handle, save.num_tokens, save.prompt_digest)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -149,12 +161,18 @@ class SharedMemoryConnector(KVConnectorBase):
                 self.offers.pulled(request_id)
         for offer in self.offers.expire():
             release(offer.payload)
+        offers, stats = self.offers, self.stats
+        stats.blocks_offered, stats.blocks_pulled = offers.blocks_offered, offers.blocks_pulled
+        stats.blocks_expired, stats.blocks_held = offers.blocks_expired, offers.num_held_blocks
         loaded, self.loaded = self.loaded, set()
         return set(), loaded
 
     def get_failed_loads(self) -> set[str]:
         failed, self.failed = self.failed, set()
         return failed
+
+    def get_kv_connector_stats(self) -> KVTransferStats:
+        return self.stats
 
 
 def handle_nbytes(handle: ShmHandle, num_blocks: int) -> int:

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from pallas_kernels import PagedKVCache
-from serve.kv_transfer.blocks import block_axis, gather_blocks, pool_fields, scatter_blocks
+from serve.kv_transfer.blocks import block_axis, gather_blocks, padded_ids, pool_fields, scatter_blocks
 
 ALIGN = 64  # each array starts on a cache line
 
@@ -62,8 +62,9 @@ def _untracked(shm: SharedMemory) -> SharedMemory:
 
 def write_blocks(pool: PagedKVCache, block_ids: list[int]) -> ShmHandle:
     """Copy `block_ids` of `pool` into a new shared memory segment."""
-    blocks = gather_blocks(pool, jnp.asarray(block_ids, jnp.int32))
-    arrays = {name: np.asarray(a) for name, a in pool_fields(blocks).items()}
+    blocks = gather_blocks(pool, jnp.asarray(padded_ids(block_ids)))
+    keep = (slice(None),) * block_axis(pool) + (slice(len(block_ids)),)
+    arrays = {name: np.asarray(a)[keep] for name, a in pool_fields(blocks).items()}
     specs, offset = [], 0
     for name, a in arrays.items():
         specs.append(ArraySpec(name, a.dtype.name, list(a.shape), offset))
@@ -86,10 +87,10 @@ def read_blocks(handle: ShmHandle, pool: PagedKVCache, block_ids: list[int], fir
         raise ValueError(f"kv_transfer_params: {handle.num_blocks} blocks offered, {first + len(block_ids)} needed")
     shm = _untracked(SharedMemory(handle.segment))
     axis = block_axis(pool)
-    take = (slice(None),) * axis + (slice(first, first + len(block_ids)),)
+    take = first + padded_ids(list(range(len(block_ids))))
     try:
         fields = {
-            s.field: jnp.asarray(np.ndarray(tuple(s.shape), jnp.dtype(s.dtype), shm.buf, s.offset)[take])
+            s.field: jnp.asarray(np.take(np.ndarray(tuple(s.shape), jnp.dtype(s.dtype), shm.buf, s.offset), take, axis))
             for s in handle.arrays
         }
     finally:
@@ -99,7 +100,7 @@ def read_blocks(handle: ShmHandle, pool: PagedKVCache, block_ids: list[int], fir
     if fields.keys() != expected.keys() or any(fields[n].dtype != a.dtype for n, a in expected.items()):
         raise ValueError(f"kv_transfer_params: blocks of {sorted(fields)} do not fit this engine's KV pool")
     blocks = PagedKVCache(**fields)
-    return scatter_blocks(pool, jnp.asarray(block_ids, jnp.int32), blocks)
+    return scatter_blocks(pool, jnp.asarray(padded_ids(block_ids)), blocks)
 
 
 def release(handle: ShmHandle) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from jaxinfra.config import ModelConfig
-from jaxinfra.loading import load_tokenizer
+from jaxinfra.loading import load_model, load_tokenizer
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
@@ -27,7 +27,7 @@ from serve.kv_transfer.worker import KVTransferWorker
 from serve.runner import InFlight, ModelRunner, num_blocks_for_memory
 from serve.scheduler import CoreRequest, Scheduler
 from serve.sequence import Sequence
-from serve.spec_decode import NgramProposer
+from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig
 from serve.structured_output import GrammarCompiler, Matcher
 
 DEFAULT_CPU_KV_MEMORY = 256 * 2**20
@@ -91,9 +91,10 @@ class EngineCore:
         self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         spec = args.speculative()
-        if spec is not None and spec.method != "ngram":
-            raise ValueError(f"EngineArgs.speculative_config.method {spec.method!r} is not served yet (ngram is)")
-        proposer = NgramProposer(spec) if spec is not None else None
+        draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
+        if spec is not None and spec.method == "eagle":
+            raise ValueError("EngineArgs.speculative_config.method 'eagle' is not served yet (ngram, draft_model are)")
+        proposer = (NgramProposer(spec) if draft is None else DraftSlots(spec.num_speculative_tokens)) if spec else None
         kv_transfer = args.kv_transfer()
         connector = kv_transfer.connector(args.block_size) if kv_transfer is not None else None
         self.scheduler = Scheduler(
@@ -122,11 +123,22 @@ class EngineCore:
             attn_impl=args.attn_impl,
             num_scheduler_steps=args.num_scheduler_steps,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            draft_model=draft,
         )
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
         self.requests = self.scheduler.requests  # the scheduler owns request state
         self.inflight: collections.deque[InFlight] = collections.deque()
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
+
+    @staticmethod
+    def _draft_model(spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:
+        """The draft_model proposer's model (its vocabulary was checked against the target's) in the
+        target's dtype; what it cannot serve with yet is refused here."""
+        for name in ("tensor_parallel_size", "num_scheduler_steps"):
+            if (value := getattr(args, name)) != 1:
+                raise ValueError(f"EngineArgs.{name} must be 1 with speculative_config.method draft_model, got {value}")
+        assert spec.model is not None
+        return load_model(spec.model, dtype, attn_impl=args.attn_impl)
 
     @staticmethod
     def _blocks_from_memory(model: LlamaModel, args: EngineArgs) -> int:

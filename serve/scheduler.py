@@ -19,7 +19,7 @@ from serve.kv_cache import BlockManager
 from serve.kv_transfer.base import KVConnectorBase
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
-from serve.spec_decode import NgramProposer, SpecDecodingStats
+from serve.spec_decode import DraftSlots, NgramProposer, SpecDecodingStats
 
 LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
 Logprob = tuple[float, np.ndarray, np.ndarray]  # one position's: log p(token), top ids, top logprobs
@@ -106,7 +106,7 @@ class Scheduler:
         max_model_len: int = 2**31 - 1,
         eos_token_ids: tuple[int, ...] = (),
         num_scheduler_steps: int = 1,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | DraftSlots | None = None,
         disable_spec_above: int | None = None,
         connector: KVConnectorBase | None = None,
     ) -> None:

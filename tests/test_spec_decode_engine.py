@@ -1,5 +1,6 @@
-"""N-gram speculative decoding through the engine: greedy outputs token-identical to the engine
-without it, under batching, chunked prefill, prefix caching and preemption, and drafts accepted."""
+"""Speculative decoding through the engine (n-gram and draft-model proposers): greedy outputs
+token-identical to the engine without it, under batching, chunked prefill, prefix caching and
+preemption, and drafts accepted."""
 
 from __future__ import annotations
 
@@ -47,3 +48,26 @@ def test_greedy_with_ngram_speculation_is_token_identical(plain):
     assert spec is not None and spec.num_drafts > 0 and spec.num_accepted_tokens > 0
     assert spec.num_accepted_tokens <= spec.num_draft_tokens <= 3 * spec.num_drafts
     assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[1] >= spec.accepted_per_pos[2]
+
+
+def test_greedy_with_a_draft_model_is_token_identical(plain):
+    """Batching, chunked prefill, prefix caching and preemption with the draft on its own KV pool. The
+    draft is the target itself (same preset and seed): its drafts are accepted only if its pool
+    mirrors the target's, token for token."""
+    spec = {"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 3}
+    eng = engine(**SMALL, speculative_config=spec)
+    got = _tokens(run(eng, _workload()))
+    assert got == plain
+    stats = eng.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    counters = stats.spec_decoding
+    assert counters is not None and counters.num_drafts > 0
+    assert counters.num_draft_tokens <= 3 * counters.num_drafts
+    assert counters.num_accepted_tokens >= 0.9 * counters.num_draft_tokens
+
+
+@pytest.mark.parametrize("name, value", [("num_scheduler_steps", 4), ("tensor_parallel_size", 2)])
+def test_a_draft_model_refuses_what_it_cannot_serve_with(name, value):
+    spec = {"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=f"EngineArgs.{name} must be 1 with speculative_config.method draft_model"):
+        engine(**SMALL, speculative_config=spec, **{name: value})

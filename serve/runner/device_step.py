@@ -21,6 +21,7 @@ from serve.sampler import SamplerOutput, apply_bitmask, apply_penalties, sample
 from serve.sampling_params import MAX_LOGPROBS
 from serve.sequence import stops
 from serve.spec_decode import rejection_sample
+from serve.spec_decode.verify_batch import with_drafts
 from sharding import logical_rules
 
 PROMPT_LOGPROB_CHUNK = 128  # prompt tokens whose full-vocabulary logprobs are computed at once
@@ -114,10 +115,14 @@ class DeviceStep:
         h, caches = model.hidden_states(ids[None], inputs.positions[None], meta, caches, stack)
         return model, h[0], caches
 
-    def verify(self, state, caches, buffers, prev_tokens, *, layout, max_q_len):
-        """A speculative verify step (drafts and their logit indices packed after the inputs)."""
+    def verify(self, state, caches, buffers, prev_tokens, device_drafts, *, layout, max_q_len):
+        """A speculative verify step (drafts and their logit indices packed after the inputs; the draft
+        model's, made on device this step, in `device_drafts`, else None)."""
         self._traced()
         inputs, sampling, drafts, indices = unpack(buffers, layout)
+        if device_drafts is not None:
+            drafts = device_drafts
+            inputs = dataclasses.replace(inputs, input_ids=with_drafts(inputs.input_ids, drafts, indices))
         return self._sharded(
             self._forward_and_verify, state, caches, inputs, sampling, drafts, indices, prev_tokens, max_q_len
         )

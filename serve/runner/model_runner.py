@@ -10,6 +10,7 @@ step's logits in a second jitted call; the host fills the masks while the first 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,34 @@ from serve.runner.inflight import InFlight
 from serve.runner.inputs import InputBuilder, StepBatch
 from serve.runner.sizing import buckets
 from serve.scheduler import SchedulerOutput
+from serve.spec_decode.draft_model import DraftModelRunner
 from serve.spec_decode.verify_batch import verify_arrays
 from serve.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, named_sharding, shard_state, tensor_parallel_mesh
+
+
+def device_step(
+    model: LlamaModel,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    block_size: int,
+    max_num_seqs: int,
+    eos_token_ids: tuple[int, ...] = (),
+    mesh: Any = None,
+    activation_rules: Any = None,
+) -> tuple[DeviceStep, list]:
+    """The jitted steps' closure for `model` (split into graphdef and placed `state`) and its weights."""
+    params = nnx.to_pure_dict(state)
+    template = list(nnx.to_flat_state(state))
+    try:  # identical layers: their weights stacked once here, scanned in every step
+        stacked: tuple[nnx.GraphDef, list] | None = layer_graph(model.layers)
+        params = stack_layers(params)
+    except ValueError:
+        stacked = None
+    # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
+    weights, state_def = jax.tree.flatten(params)
+    constants = (mesh, activation_rules, block_size, max_num_seqs, eos_token_ids)
+    return DeviceStep(model.cfg, graphdef, template, stacked, state_def, *constants), weights
 
 
 class ModelRunner:
@@ -50,8 +76,10 @@ class ModelRunner:
         attn_impl: str | None = None,
         num_scheduler_steps: int = 1,
         num_speculative_tokens: int = 0,
+        draft_model: LlamaModel | None = None,
     ) -> None:
-        """`num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up."""
+        """`num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up;
+        `draft_model`: the draft_model proposer's, run on its own KV pool before each step."""
         cfg = model.cfg
         self.cfg = cfg
         self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
@@ -83,27 +111,20 @@ class ModelRunner:
                 lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], rules.params, a.shape, mesh)),
                 self.kv_cache,
             )
-        params = nnx.to_pure_dict(self.state)
-        template = list(nnx.to_flat_state(self.state))
-        try:  # identical layers: their weights stacked once here, scanned in every step
-            self.layer_graph: tuple[nnx.GraphDef, list] | None = layer_graph(model.layers)
-            params = stack_layers(params)
-        except ValueError:
-            self.layer_graph = None
-        # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
-        self.weights, state_def = jax.tree.flatten(params)
-        self.device = DeviceStep(
-            cfg,
-            graphdef,
-            template,
-            self.layer_graph,
-            state_def,
-            mesh,
-            rules.activations,
-            block_size,
-            max_num_seqs,
-            self.eos_token_ids,
+        self.device, self.weights = device_step(
+            model, graphdef, self.state, block_size, max_num_seqs, self.eos_token_ids, mesh, rules.activations
         )
+        self.layer_graph = self.device.layer_graph
+        self.draft = None
+        if draft_model is not None:  # no eos: the draft proposes greedily, the target's sampler stops
+            draft_graphdef, draft_state = nnx.split(draft_model)
+            self.draft = DraftModelRunner(
+                *device_step(draft_model, draft_graphdef, draft_state, block_size, max_num_seqs),
+                num_blocks=num_blocks,
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                attn_impl=self.attn_impl,
+            )
         self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
         self.seq_buckets = buckets(max_num_seqs, 1)
         # Block-table columns (both attention implementations read only the pages a batch uses); below
@@ -135,7 +156,7 @@ class ModelRunner:
     @property
     def num_compilations(self) -> int:
         """Step shapes compiled so far (warm-up's, and any after it: there should be none)."""
-        return self.device.num_compilations
+        return self.device.num_compilations + (self.draft.device.num_compilations if self.draft is not None else 0)
 
     # --- host side --------------------------------------------------------------------------------
     def free_rows(self, sched: SchedulerOutput) -> None:
@@ -164,12 +185,19 @@ class ModelRunner:
             return InFlight(batch, out, ())
         if batch.spec is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
+            drafts = None
+            if self.draft is not None:
+                buffers = jax.device_put(buffers)  # sent once, read by both models
+                drafts = self.draft.propose(buffers, layout, self.prev_tokens, batch.max_q_len)
             out, num_emitted, self.prev_tokens, self.kv_cache = self._verify(
-                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+                self.weights, self.kv_cache, buffers, self.prev_tokens, drafts, layout=layout, max_q_len=batch.max_q_len
             )
             self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
             return InFlight(batch, out, (), num_emitted)
         buffers, layout = pack((batch.inputs, batch.sampling))
+        if self.draft is not None:  # the draft's pool mirrors the target's
+            buffers = jax.device_put(buffers)
+            self.draft.mirror(buffers, layout, self.prev_tokens, batch.max_q_len)
         out, padded, logits, prompt, self.kv_cache = self._step(
             self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )

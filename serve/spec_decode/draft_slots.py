@@ -1,0 +1,16 @@
+"""The scheduler's side of the draft_model proposer: how many tokens each decode drafts."""
+
+from __future__ import annotations
+
+
+class DraftSlots:
+    """k drafts a decode, or fewer where max_tokens / max_model_len leave less room. The tokens are
+    made on device by the draft model in the step that verifies them (serve/spec_decode/draft_model.py);
+    on the host, token 0 stands in for them."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose_lists(self, histories: list[list[int]], max_new: list[int]) -> list[list[int]]:
+        """Stand-in drafts, as NgramProposer.propose_lists: min(k, room) per row."""
+        return [[0] * min(self.k, room) for room in max_new]

@@ -142,7 +142,8 @@ def run_engine_core(launch: CoreLaunch) -> None:
             elif idle and not inp.poll(PARENT_CHECK_MS):
                 if os.getppid() != parent:
                     return  # orphaned: the frontend is gone
-                core.poll_kv_transfers()
+                if core.poll_kv_transfers():  # offers pulled or expired: the frontend's /metrics learns it
+                    out.send(encoder.encode(EngineCoreOutputs(stats=core.stats())))
                 continue
             reply = EngineCoreOutputs(rejected=grammars.admit())
             arrived = False

@@ -197,10 +197,9 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.inflight)
 
-    def poll_kv_transfers(self) -> None:
-        """While idle: free offered KV blocks that were pulled or expired."""
-        if self.kv_transfer is not None:
-            self.kv_transfer.after_step()
+    def poll_kv_transfers(self) -> bool:
+        """While idle: free offered KV blocks that were pulled or expired; True if any were."""
+        return self.kv_transfer is not None and self.kv_transfer.poll()
 
     # --- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

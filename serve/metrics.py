@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from serve.core_types import SchedulerStats
 from serve.expert_load import ExpertLoadMetrics
+from serve.kv_transfer.metrics import KVTransferMetrics
 from serve.live_stats import LiveStats
 from serve.output_processor import RequestIteration
 from serve.sampling_params import SamplingParams
@@ -101,6 +102,7 @@ class ServerMetrics:
         self.max_tokens = hist("request_params_max_tokens", "Each request's max_tokens.", TOKEN_BUCKETS)
         self.params_n = hist("request_params_n", "Each request's n (sequences per prompt).", N_BUCKETS)
         self.spec_decode = SpecDecodeCounters(r, prefix, model_name)
+        self.kv_transfer = KVTransferMetrics(r, prefix, model_name)
         self.expert_load = ExpertLoadMetrics(r, prefix, model_name)
         self.model_name = model_name
         self.live = LiveStats()
@@ -144,6 +146,7 @@ class ServerMetrics:
                 self._seen[key] = value
             if stats.spec_decoding is not None:
                 self.spec_decode.observe(stats.spec_decoding)
+            self.kv_transfer.observe(stats)
             if stats.expert_load is not None:
                 self.expert_load.observe(stats.expert_load)
         for it in iterations:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from server_helpers import MODEL_NAME, core_stats, eventually, running_server, serve_in_thread
+from server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server, serve_in_thread
 
 from serve.kv_transfer.proxy import Proxy, build_proxy_app
 
@@ -36,7 +36,7 @@ def servers(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         p_url, p_app = stack.enter_context(running_server(**common, kv_transfer_config={"kv_role": "kv_producer"}))
         d_url, d_app = stack.enter_context(running_server(**common, kv_transfer_config={"kv_role": "kv_consumer"}))
-        app = build_proxy_app(Proxy([p_url], [d_url]))
+        app = build_proxy_app(Proxy([p_url], [d_url], prefill_timeout=600))  # first compilations: minutes
         app.state.server = types.SimpleNamespace(engine=types.SimpleNamespace(shutdown=lambda: None))
         proxy = stack.enter_context(serve_in_thread(app))
         yield types.SimpleNamespace(both=p_url, proxy=proxy, p_url=p_url, p_app=p_app, d_url=d_url, d_app=d_app)
@@ -93,3 +93,12 @@ def test_openai_client_streams_chat_through_proxy(servers):
     )
     assert streamed == want
     assert _client(proxy).chat.completions.create(**kwargs).choices[0].message.content == want
+
+
+def test_transfer_metrics(servers):
+    _texts(servers.proxy, LONG + "metrics", 1, False)
+    p_url, d_url = servers.p_url, servers.d_url
+    assert metric(p_url, "jaxinfra:kv_transfer_bytes_total", op="save", kv_role="kv_producer") > 0
+    assert metric(d_url, "jaxinfra:kv_transfer_bytes_total", op="load", kv_role="kv_consumer") > 0
+    assert metric(d_url, "jaxinfra:kv_transfer_xfer_time_seconds_count", op="load") > 0
+    assert eventually(lambda: metric(p_url, "jaxinfra:kv_transfer_blocks_total", event="pulled") > 0)

@@ -98,3 +98,32 @@ def test_other_prompt_is_not_loaded_and_expired_offer_is_recomputed():
     d_conn.start_load_kv(d_conn.build_connector_meta(SchedulerOutput([], *(np.zeros(0, int),) * 4)))
     assert d_conn.get_finished() == (set(), set()) and d_conn.get_failed_loads() == {"r2"}
     assert d_conn.get_kv_connector_stats().num_failed_transfers == 1
+
+
+def test_transfer_counters_on_metrics():
+    """A prefill connector's save and offer, a decode connector's load, as /metrics renders them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.core_types import SchedulerStats
+    from serve.metrics import ServerMetrics
+
+    p_conn, d_conn = SharedMemoryConnector(4, role="kv_producer"), SharedMemoryConnector(4, role="kv_consumer")
+    params = prefill(p_conn, random_pool("int8", 0), "r3")
+    d_conn.register_kv_caches(Holder(random_pool("int8", 1)))
+    req = Req("r3", PROMPT, [], params)
+    d_conn.update_state_after_alloc(req, [0, 1, 2], d_conn.get_num_new_matched_tokens(req, 0))
+    d_conn.start_load_kv(d_conn.build_connector_meta(SchedulerOutput([], *(np.zeros(0, int),) * 4)))
+    p_conn.get_finished()
+    samples = {}
+    for conn in (p_conn, d_conn):
+        metrics = ServerMetrics("tiny")
+        metrics.observe([], SchedulerStats(0, 1, 0.0, 0, 0, 0, 8, 8, 0, kv_transfer=conn.get_kv_connector_stats()))
+        for family in text_string_to_metric_families(metrics.render().decode()):
+            for s in family.samples:
+                key = (s.name, s.labels.get("kv_role"), s.labels.get("op") or s.labels.get("event"))
+                samples[key] = s.value
+    nbytes = samples[("jaxinfra:kv_transfer_bytes_total", "kv_producer", "save")]
+    assert nbytes > 0 and samples[("jaxinfra:kv_transfer_bytes_total", "kv_consumer", "load")] == nbytes
+    assert samples[("jaxinfra:kv_transfer_xfer_time_seconds_count", "kv_consumer", "load")] == 1
+    assert samples[("jaxinfra:kv_transfer_blocks_total", "kv_producer", "offered")] == 3
+    assert samples[("jaxinfra:kv_transfer_blocks_total", "kv_producer", "pulled")] == 3

@@ -5,7 +5,6 @@ jaxinfra serve --model <dir or preset> [--port 8000] [--api-key KEY] [--max-queu
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -15,7 +14,7 @@ from serve.autoscale_args import pool_config_from
 from serve.http.app import build_app
 from serve.http.cli_args import build_parser, engine_args_from, name_flag
 from serve.http.drain import serve_draining
-from serve.kv_transfer.config import config_for_role
+from serve.kv_transfer.config import with_role
 from serve.metrics import ServerMetrics
 from serve.tenants import load_keys_file
 from serve.tool_parsers import ToolConfig
@@ -36,10 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ServerMetrics.check_prefix(args.metrics_prefix)
         api_keys = load_keys_file(args.api_keys_file) if args.api_keys_file else None
-        engine_args = engine_args_from(args)
-        if args.role != "both":
-            kv_config = config_for_role(args.role, engine_args.kv_transfer_config)
-            engine_args = dataclasses.replace(engine_args, kv_transfer_config=kv_config)
+        engine_args = with_role(engine_args_from(args), args.role)
         tools = ToolConfig(args.tool_call_parser, args.enable_auto_tool_choice)
         if args.replicas < 1 or (args.replicas > 1 and not args.ray):
             raise ValueError(f"--replicas must be 1, or at least 1 with --ray, got {args.replicas}")

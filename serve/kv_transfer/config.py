@@ -8,9 +8,12 @@ kv_transfer_params), so the role names the engine's job for metrics and logs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve.kv_transfer.base import KVConnectorBase
+
+if TYPE_CHECKING:
+    from serve.config import EngineArgs
 
 CONNECTORS = ("SharedMemoryConnector",)
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -47,9 +50,9 @@ class KVTransferConfig:
         return SharedMemoryConnector(block_size, self.offer_timeout_s, self.kv_role)
 
 
-def config_for_role(role: str, config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """EngineArgs.kv_transfer_config for `jaxinfra serve --role`: prefill/decode turn the connector on
-    (a given config keeps its other keys), both leaves it as given."""
+def with_role(args: EngineArgs, role: str) -> EngineArgs:
+    """The engine arguments of `jaxinfra serve --role`: prefill/decode turn the connector on (a given
+    kv_transfer_config keeps its other keys), both leaves them as given."""
     if role == "both":
-        return config
-    return {**(config or {}), "kv_role": KV_ROLES[role]}
+        return args
+    return dataclasses.replace(args, kv_transfer_config={**(args.kv_transfer_config or {}), "kv_role": KV_ROLES[role]})

@@ -7,6 +7,8 @@ its remote KV is scheduled in the next one (vLLM's WAITING_FOR_REMOTE_KVS, one s
 
 from __future__ import annotations
 
+import copy
+
 from serve.kv_transfer.base import ALL_LAYERS, KVConnectorBase, KVConnectorMetadata, PoolHolder
 from serve.scheduler import Scheduler, SchedulerOutput
 
@@ -37,3 +39,9 @@ class KVTransferWorker:
         failed = self.connector.get_failed_loads()
         if loaded or failed:
             self.scheduler.finish_loads(loaded, failed)
+
+    def poll(self) -> bool:
+        """While the engine idles: `after_step` without a step; True if the transfer counters changed."""
+        before = copy.deepcopy(self.connector.get_kv_connector_stats())
+        self.after_step()
+        return self.connector.get_kv_connector_stats() != before

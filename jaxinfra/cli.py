@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_cmd_info)
 
     ps = sub.add_parser("plan-serve", help="KV blocks, context and concurrency a GPU serves a model with")
-    plan_serve.add_arguments(ps, DEFAULT_MODEL, model_help)
+    plan_serve.add_arguments(ps)
     ps.set_defaults(func=plan_serve.main)
     return parser
 

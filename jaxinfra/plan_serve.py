@@ -1,11 +1,10 @@
 """Serving capacity planner (`jaxinfra plan-serve`): from a model, a device and a workload to the KV
 blocks the engine will allocate, the context it can serve and the concurrency the pool holds.
 
-The block count comes from the engine's own function (serve.engine_core.kv_cache_blocks) fed the
-bytes the engine would see on the device: XLA's allocator limit (a fraction of the device's memory,
-0.75 unless XLA_CLIENT_MEM_FRACTION says otherwise) times `gpu_memory_utilization`, less the
-weights in use when the pools are sized. The engine sizes the pools on the first device before
-sharding anything, so under tensor parallelism all the weights and all KV heads count there.
+The block count comes from the engine's own function (serve.kv_budget.kv_cache_blocks) fed the
+bytes the engine would see on each device: `gpu_memory_utilization` of the device's memory (the
+engine-core process sets XLA's allocator fraction to it unless the environment sets one), less the
+device's share of the weights and one step's workspace; each device holds 1/TP of the KV heads.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +32,6 @@ GPUS: dict[str, int] = {  # device memory in bytes, as the driver reports it (nv
     "l40s": 46068 * MIB,
 }
 GPU_ALIASES = {"h100": "h100-80gb", "h200-141gb": "h200", "a100": "a100-80gb", "l4-24gb": "l4", "l40s-48gb": "l40s"}
-XLA_MEM_FRACTION = 0.75  # XLA's GPU allocator default share of device memory
 KV_VARIANTS = ("auto", "int8", "fp8")
 WEIGHT_VARIANTS = (None, "int8", "int4")
 MAX_LEN_MARGIN = 1.2  # recommended max_model_len = 1.2 x the longest request seen
@@ -47,12 +44,6 @@ def gpu_memory(name: str) -> int:
     if key not in GPUS:
         raise ValueError(f"unknown --gpu {name!r}; known: {', '.join(GPUS)} (or give --device-memory)")
     return GPUS[key]
-
-
-def default_mem_fraction() -> float:
-    """The share of GPU memory XLA's allocator takes: its environment variables, else 0.75."""
-    text = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    return float(text) if text else XLA_MEM_FRACTION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,30 +123,23 @@ def weight_bytes(cfg: ModelConfig, quantization: str | None = None) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build))))
 
 
-def step_workspace_bytes(cfg: ModelConfig, tokens: int, seqs: int, tensor_parallel_size: int = 1) -> int:
-    """Estimated activations of one serving step of `tokens` tokens (forward only: one layer's
-    intermediates live at a time): residual and its norm, Q/K/V, the attention output and the
-    SwiGLU gate/up/product per token, plus float32 logits and probabilities at `seqs` rows."""
-    import jax.numpy as jnp
-
-    a = jnp.dtype(cfg.dtype).itemsize
-    heads = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    per_token = 2 * cfg.hidden_size + (heads + 3 * cfg.intermediate_size) // tensor_parallel_size
-    return tokens * per_token * a + 2 * seqs * cfg.vocab_size * 4
-
-
 @dataclasses.dataclass(frozen=True)
 class Device:
     """What the engine sees: `total` bytes of device memory (None: off GPU, where the pool takes
-    EngineArgs.kv_cache_memory) of which XLA's allocator takes `mem_fraction`."""
+    EngineArgs.kv_cache_memory) of which XLA's allocator takes `mem_fraction` (None: as `jaxinfra
+    serve` sets it, the environment's fraction, else gpu_memory_utilization)."""
 
     name: str
     total: int | None
-    mem_fraction: float = XLA_MEM_FRACTION
+    mem_fraction: float | None = None
 
-    @property
-    def bytes_limit(self) -> int | None:
-        return None if self.total is None else int(self.total * self.mem_fraction)
+    def allocator_limit(self, utilization: float) -> int | None:
+        """XLA's bytes_limit on this device when the engine runs with `utilization`."""
+        from serve.kv_budget import xla_mem_fraction
+
+        if self.total is None:
+            return None
+        return int(self.total * (self.mem_fraction or xla_mem_fraction(utilization)))
 
 
 @dataclasses.dataclass
@@ -171,10 +155,10 @@ class ServePlan:
     gpu_memory_utilization: float
     device_bytes: int | None
     allocator_limit: int | None  # XLA's bytes_limit
+    usable_bytes: int | None  # what the engine may use: gpu_memory_utilization of the device, within the limit
     weight_bytes_total: int
     weight_bytes_per_device: int
     workspace_bytes: int  # estimate for one step of max_num_batched_tokens
-    workspace_headroom: int | None  # allocator bytes gpu_memory_utilization leaves outside weights + KV
     kv_bytes_per_token: int  # every layer's K and V (all heads; each device holds 1/TP of them)
     num_blocks: int
     kv_tokens: int
@@ -194,7 +178,7 @@ def plan(
 ) -> ServePlan:
     """The plan for engine arguments `args` on `device`; `weights`: the bytes of a quantized checkpoint
     (default: the model's weights as `args.quantization` leaves them)."""
-    from serve.engine_core import kv_cache_blocks
+    from serve.kv_budget import kv_cache_blocks, step_token_budget, step_workspace_bytes
     from serve.runner import num_blocks_for_memory
 
     tp = args.tensor_parallel_size
@@ -203,43 +187,37 @@ def plan(
     if args.quantization and weights is None and cfg.num_experts:
         raise ValueError(f"quantization {args.quantization} rounds dense MLPs, not {cfg.model_type}'s experts")
     weights = weight_bytes(cfg, args.quantization) if weights is None else weights
-    num_blocks = kv_cache_blocks(cfg, args, device.bytes_limit, weights)
+    utilization = args.gpu_memory_utilization
+    limit = device.allocator_limit(utilization)
+    usable = None if limit is None or device.total is None else min(limit, int(device.total * utilization))
+    step_tokens = step_token_budget(args, args.max_model_len or min(cfg.max_position_embeddings, 4096))
+    workspace = step_workspace_bytes(cfg, step_tokens, args.max_num_seqs, tp)
+    num_blocks = kv_cache_blocks(cfg, args, step_tokens, usable, weights)
     notes = []
     if num_blocks < 1:
-        where = "kv_cache_memory" if device.bytes_limit is None else f"{device.name} after {weights:,} B of weights"
+        where = (
+            "kv_cache_memory"
+            if usable is None
+            else f"{device.name} after {weights // tp:,} B of weights and {workspace:,} B of step workspace per device"
+        )
         raise ValueError(f"{model} does not fit: no KV block fits in what {where} leaves")
     # bytes of one block: the engine's formula asked how many blocks a huge memory holds
     probe = 1 << 60
     block_bytes = probe // num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, probe, args.attn_impl)
     per_token = math.ceil(block_bytes / args.block_size)
     tokens = num_blocks * args.block_size
-    budget = max(args.max_num_batched_tokens or 2048, args.max_num_seqs)
-    workspace = step_workspace_bytes(cfg, budget, args.max_num_seqs, tp)
-    headroom = (
-        None
-        if device.bytes_limit is None
-        else device.bytes_limit - int(device.bytes_limit * args.gpu_memory_utilization)
-    )
-    if headroom is not None and workspace > headroom:
-        notes.append(
-            f"the step workspace (~{workspace / 2**30:.1f} GiB) exceeds what gpu_memory_utilization leaves "
-            f"({headroom / 2**30:.1f} GiB): lower it or max_num_batched_tokens"
-        )
-    if tp > 1:
-        notes.append(
-            "the engine sizes the pools on the first device before sharding (all weights, all KV heads), "
-            f"so each device's pool is 1/{tp} of its KV share"
-        )
-    limit = min(tokens, cfg.max_position_embeddings)
+    len_limit = min(tokens, cfg.max_position_embeddings)
 
     def concurrency(length: int) -> int:
         return num_blocks // math.ceil(length / args.block_size)
 
     if concurrency(workload.prompt_p50 + workload.output_p50) > args.max_num_seqs:
         notes.append(f"max_num_seqs ({args.max_num_seqs}) caps the batch below what the pool holds at P50")
-    recommended = min(math.ceil(MAX_LEN_MARGIN * workload.longest), limit)
-    if MAX_LEN_MARGIN * workload.longest > limit:
-        notes.append(f"the longest request ({workload.longest} tokens) x {MAX_LEN_MARGIN} exceeds what fits ({limit})")
+    recommended = min(math.ceil(MAX_LEN_MARGIN * workload.longest), len_limit)
+    if MAX_LEN_MARGIN * workload.longest > len_limit:
+        notes.append(
+            f"the longest request ({workload.longest} tokens) x {MAX_LEN_MARGIN} exceeds what fits ({len_limit})"
+        )
     return ServePlan(
         model=model,
         device=device.name,
@@ -249,16 +227,16 @@ def plan(
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         device_bytes=device.total,
-        allocator_limit=device.bytes_limit,
+        allocator_limit=limit,
+        usable_bytes=usable,
         weight_bytes_total=weights,
         weight_bytes_per_device=weights // tp,
         workspace_bytes=workspace,
-        workspace_headroom=headroom,
         kv_bytes_per_token=per_token,
         num_blocks=num_blocks,
         kv_tokens=tokens,
         kv_pool_bytes_per_device=num_blocks * block_bytes // tp,
-        max_model_len_limit=limit,
+        max_model_len_limit=len_limit,
         concurrency_p50=concurrency(workload.prompt_p50 + workload.output_p50),
         concurrency_p99=concurrency(workload.prompt_p99 + workload.output_p99),
         recommended_max_model_len=recommended,
@@ -292,7 +270,11 @@ def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload)
     tp = p.tensor_parallel_size
     rows = [
         ("model", p.model),
-        ("device", f"{p.device} ({_gib(p.device_bytes)}), XLA allocator limit {_gib(p.allocator_limit)}"),
+        (
+            "device",
+            f"{p.device} ({_gib(p.device_bytes)}), XLA allocator limit {_gib(p.allocator_limit)}, "
+            f"the engine's {_gib(p.usable_bytes)}",
+        ),
         (
             "settings",
             f"TP {tp}, kv_cache_dtype {p.kv_cache_dtype}, weights {p.quantization or 'dense'}, "
@@ -304,7 +286,7 @@ def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload)
         ),
         (
             "step workspace (estimate)",
-            f"{_gib(p.workspace_bytes)} (headroom left by utilization: {_gib(p.workspace_headroom)})",
+            f"{_gib(p.workspace_bytes)} per device (one step of max_num_batched_tokens)",
         ),
         ("KV bytes per token", f"{p.kv_bytes_per_token:,} B (all layers, K and V)"),
         (
@@ -345,77 +327,59 @@ def _pair(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def add_arguments(parser: argparse.ArgumentParser, model_default: str, model_help: str) -> None:
-    """`jaxinfra plan-serve`'s flags (engine flags keep `jaxinfra serve`'s names and defaults)."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`jaxinfra plan-serve`'s flags: the device and the workload, and every engine flag of `jaxinfra
+    serve` (generated from EngineArgs, same names and defaults), so a serve command line plans as is."""
     from jaxinfra.cli import parse_size
+    from serve.http.cli_args import add_engine_flags
 
-    parser.add_argument("--model", default=model_default, help=model_help)
+    parser.add_argument("--config", help="engine arguments from a YAML file (configs/serve/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="engine arguments as key=value, after --config and flags")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--gpu", default=None, help=f"a GPU from the table: {', '.join(GPUS)}")
     where.add_argument("--device-memory", type=parse_size, default=None, help="device memory, e.g. 80GiB")
-    where.add_argument("--kv-cache-memory", type=parse_size, default=None, help="off GPU: the KV pool's bytes")
     parser.add_argument(
-        "--xla-mem-fraction", type=float, default=None, help="XLA allocator share (default 0.75 or env)"
-    )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "fp8_e4m3"))
-    parser.add_argument("--quantization", default=None, choices=("int8", "int4"), help="weights rounded on load")
-    parser.add_argument("--dtype", default="auto", help="weights' dtype (auto: the checkpoint's)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument(
-        "--attn-impl",
+        "--xla-mem-fraction",
+        type=float,
         default=None,
-        choices=("pallas", "xla", "reference"),
-        help="paged attention the engine will run (default: pallas on a GPU, xla off it; pallas pads head dims to 2^k)",
+        help="XLA allocator share (default: the environment's, else --gpu-memory-utilization as the engine sets it)",
     )
     parser.add_argument("--prompt-len", type=_pair, default=(512, 2048), help="prompt tokens P50,P99")
     parser.add_argument("--output-len", type=_pair, default=(256, 1024), help="output tokens P50,P99")
     parser.add_argument("--requests", default=None, help="JSONL of real requests (prompt_tokens, completion_tokens)")
     parser.add_argument("--json", action="store_true", help="print the plan and its variants as JSON")
+    add_engine_flags(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run `jaxinfra plan-serve` on parsed flags."""
     from jaxinfra.loading import checkpoint_quantization, load_config
-    from serve.config import EngineArgs
+    from serve.http.cli_args import engine_args_from
 
-    cfg = load_config(args.model)
+    engine = engine_args_from(args)
+    cfg = load_config(engine.model)
     weights = None  # a quantized checkpoint's are what it stores: packed weights, scales, the dense rest
-    if Path(args.model).is_dir() and checkpoint_quantization(Path(args.model)) is not None:
-        if args.quantization:
-            raise ValueError(f"{args.model} is already quantized: drop --quantization")
-        weights = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
-    if args.dtype != "auto":
-        cfg = cfg.replace(dtype=args.dtype)
-    fraction = default_mem_fraction() if args.xla_mem_fraction is None else args.xla_mem_fraction
+    if Path(engine.model).is_dir() and checkpoint_quantization(Path(engine.model)) is not None:
+        if engine.quantization:
+            raise ValueError(f"{engine.model} is already quantized: drop --quantization")
+        weights = sum(f.stat().st_size for f in Path(engine.model).glob("*.safetensors"))
+    if engine.dtype != "auto":
+        cfg = cfg.replace(dtype=engine.dtype)
     if args.gpu:
-        device = Device(args.gpu, gpu_memory(args.gpu), fraction)
+        device = Device(args.gpu, gpu_memory(args.gpu), args.xla_mem_fraction)
     elif args.device_memory:
-        device = Device("device", args.device_memory, fraction)
+        device = Device("device", args.device_memory, args.xla_mem_fraction)
     else:
         device = Device("cpu", None)
-    engine = EngineArgs(
-        model=args.model,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        attn_impl=args.attn_impl or ("xla" if device.total is None else "pallas"),
-    )
+    if engine.attn_impl is None:  # what the engine will run: pallas on a GPU, xla off it
+        engine = dataclasses.replace(engine, attn_impl="xla" if device.total is None else "pallas")
     workload = (
         Workload.from_jsonl(args.requests)
         if args.requests
         else Workload.from_percentiles(args.prompt_len, args.output_len)
     )
-    main_plan = plan(args.model, cfg, engine, device, workload, weights)
-    others = variants(args.model, cfg, engine, device, workload, weights)
+    main_plan = plan(engine.model, cfg, engine, device, workload, weights)
+    others = variants(engine.model, cfg, engine, device, workload, weights)
     if args.json:
         body = {
             "plan": main_plan.to_dict(),

@@ -31,6 +31,7 @@ from serve.core_types import (
     StartupError,
     UtilityCall,
 )
+from serve.kv_budget import core_process_env
 
 STARTUP_TIMEOUT_S = 1800.0  # loading and compiling a big model can take long; death is noticed at once
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
@@ -66,7 +67,7 @@ class CoreProcess:
         os.set_blocking(self._heartbeat, False)
         self.last_beat: float | None = None  # monotonic time of the last heartbeat heard
         launch = CoreLaunch(args, list(eos_token_ids), warmup, self.input_addr, self.output_addr, ready_w, beat_w)
-        env = {**ALLOCATOR_ENV, **os.environ}  # the caller's settings win
+        env = {**ALLOCATOR_ENV, **core_process_env(args), **os.environ}  # the caller's settings win
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from serve.core_proc import main; main()"],
             stdin=subprocess.PIPE,

@@ -15,33 +15,20 @@ from typing import Any
 
 import jax
 
-from jaxinfra.config import ModelConfig
 from jaxinfra.loading import load_model, load_tokenizer
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from serve.device_memory import memory_breakdown
+from serve.kv_budget import kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
-from serve.runner import InFlight, ModelRunner, num_blocks_for_memory
+from serve.runner import InFlight, ModelRunner
 from serve.scheduler import CoreRequest, Scheduler
 from serve.sequence import Sequence
 from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig
 from serve.structured_output import GrammarCompiler, Matcher
-
-DEFAULT_CPU_KV_MEMORY = 256 * 2**20
-
-
-def kv_cache_blocks(cfg: ModelConfig, args: EngineArgs, bytes_limit: int | None = None, bytes_in_use: int = 0) -> int:
-    """Blocks the engine gives the KV pools: `args.kv_cache_memory` bytes (256 MiB off GPU by default),
-    else on a GPU the `gpu_memory_utilization` share of its allocator's `bytes_limit` less what is in
-    use when the pools are sized (the weights). `jaxinfra plan-serve` calls this with planned bytes."""
-    if args.kv_cache_memory is not None or bytes_limit is None:
-        memory = args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
-    else:
-        memory = int(bytes_limit * args.gpu_memory_utilization) - bytes_in_use
-    return num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, memory, args.attn_impl)
 
 
 class EngineCore:
@@ -80,8 +67,8 @@ class EngineCore:
                 f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is off"
             )
-        budget = max(budget, args.max_num_seqs)
-        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args)
+        budget = step_token_budget(args, self.max_model_len)
+        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget)
         if num_blocks * args.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
@@ -141,12 +128,15 @@ class EngineCore:
         return load_model(spec.model, dtype, attn_impl=args.attn_impl)
 
     @staticmethod
-    def _blocks_from_memory(model: LlamaModel, args: EngineArgs) -> int:
+    def _blocks_from_memory(model: LlamaModel, args: EngineArgs, step_tokens: int) -> int:
+        """KV blocks for this device's memory (what is in use now: the weights, all on the first
+        device until the runner shards them)."""
         device = jax.devices()[0]
         if device.platform == "gpu" and args.kv_cache_memory is None:
             stats = device.memory_stats()
-            return kv_cache_blocks(model.cfg, args, stats["bytes_limit"], stats["bytes_in_use"])
-        return kv_cache_blocks(model.cfg, args)
+            usable = usable_bytes(stats["bytes_limit"], args.gpu_memory_utilization, xla_mem_fraction())
+            return kv_cache_blocks(model.cfg, args, step_tokens, usable, stats["bytes_in_use"])
+        return kv_cache_blocks(model.cfg, args, step_tokens)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:

@@ -14,10 +14,11 @@ from jaxinfra.cli import main as cli_main
 from jaxinfra.config import ModelConfig
 from jaxinfra.loading import load_config
 from jaxinfra.models import LlamaModel
-from jaxinfra.plan_serve import GPUS, Device, Workload, plan, step_workspace_bytes, weight_bytes
+from jaxinfra.plan_serve import GPUS, Device, Workload, plan, weight_bytes
 from pallas_kernels import PagedKVCache
 from serve.config import EngineArgs
 from serve.engine_core import EngineCore
+from serve.kv_budget import step_workspace_bytes
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TINY = ModelConfig(
@@ -60,11 +61,12 @@ LLAMA_8B_PARAMS = (
 
 def hand_plan(kv_dtype: str, tp: int) -> dict[str, int]:
     """Llama-3.1-8B (bf16) on an H200 with the engine's defaults, computed by hand."""
-    device = 143771 * 2**20
-    limit = int(device * 0.75)  # XLA's allocator share
+    usable = int(143771 * 2**20 * 0.9)  # gpu_memory_utilization of the device (the core sets XLA's fraction to it)
     weights = 2 * LLAMA_8B_PARAMS
     per_token = 2 * 32 * 8 * 128 * (2 if kv_dtype == "auto" else 1) + (2 * 32 * 8 * 4 if kv_dtype == "int8" else 0)
-    blocks = (int(limit * 0.9) - weights) // (per_token * 16)  # all weights on device 0 when the pools are sized
+    # one step of 2048 tokens: residual + norm, q/k/v/o and gate/up/product (split over TP), f32 logits and probs
+    workspace = 2048 * (2 * 4096 + (80 * 128 + 3 * 14336) // tp) * 2 + 2 * 256 * 128256 * 4
+    blocks = (usable - weights // tp - workspace) // (per_token // tp * 16)  # each device: 1/TP of the heads
     return {
         "weight_bytes_per_device": weights // tp,
         "kv_bytes_per_token": per_token,

@@ -24,7 +24,8 @@ from serve.config import EngineArgs
 from serve.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from serve.tool_parsers import TOOL_PARSERS
 
-ALIASES = {"quantization": ("-q",)}  # short forms vLLM also takes
+ALIASES = {"quantization": ("-q",), "tensor_parallel_size": ("-tp",)}  # short forms vLLM also takes
+SIZE_FIELDS = frozenset({"kv_cache_memory"})  # byte counts: 1073741824, 1GiB or 800MB
 
 
 def flag(field: str) -> str:
@@ -49,7 +50,10 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field (vLLM's names); unset flags are absent from the namespace."""
+    from jaxinfra.cli import parse_size
+
     group = p.add_argument_group("engine arguments (EngineArgs; default: --config, then these defaults)")
     hints, docs = typing.get_type_hints(EngineArgs), field_docs(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
@@ -66,7 +70,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
             choices = typing.get_args(hint)
             group.add_argument(*names, type=type(choices[0]), choices=choices, default=argparse.SUPPRESS, help=help_)
         else:  # int, float, str; anything else is read as YAML
-            kind = hint if hint in (int, float, str) else yaml.safe_load
+            kind = parse_size if f.name in SIZE_FIELDS else hint if hint in (int, float, str) else yaml.safe_load
             group.add_argument(*names, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_)
 
 
@@ -170,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: room for a prompt of max-model-len tokens, 64 bytes each, + 256 KiB)",
     )
     add_autoscale_args(p)
-    _add_engine_flags(p)
+    add_engine_flags(p)
     return p
 
 

@@ -26,13 +26,20 @@ def fit(n: int, options: list[int]) -> int:
 
 
 def num_blocks_for_memory(
-    cfg: ModelConfig, block_size: int, kv_dtype: str, memory_bytes: int, attn_impl: str | None = None
+    cfg: ModelConfig,
+    block_size: int,
+    kv_dtype: str,
+    memory_bytes: int,
+    attn_impl: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> int:
-    """KV blocks (every layer's K and V pools) that `memory_bytes` hold, within what Triton addresses."""
+    """KV blocks (every layer's K and V pools) whose 1/TP of the KV heads fit `memory_bytes` on each
+    device, within what Triton addresses."""
     dtype = kv_storage_dtype(kv_dtype, cfg.dtype)
     d = paged_head_dim(cfg.head_dim, paged_impl(attn_impl))
-    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * d * kv_bytes_per_element(dtype, d)
-    num_blocks = int(memory_bytes // (per_block * block_size))
-    block_elements = block_size * cfg.num_kv_heads * d
+    kv_heads = cfg.num_kv_heads // tensor_parallel_size
+    per_block = 2 * cfg.num_layers * kv_heads * d * kv_bytes_per_element(dtype, d)
+    num_blocks = int(max(memory_bytes, 0) // (per_block * block_size))
+    block_elements = block_size * kv_heads * d
     # every layer's blocks form one pool (stacked on a layers axis): it must be addressable whole
     return addressable_blocks(num_blocks * cfg.num_layers, block_elements, jnp.dtype(dtype).itemsize) // cfg.num_layers

@@ -109,4 +109,9 @@ quantize_model(quantized, None, QuantizeConfig(method="rtn", bits=4, group_size=
 packed = serve_and_compare(quantized)  # int4 weights shard like the dense ones: [K/2, N] over N
 assert packed.dtype == np.uint8 and packed.addressable_shards[0].data.shape == (32, 32), packed.sharding
 serve_and_compare(LlamaModel(cfg, nnx.Rngs(0)), "pallas")  # our paged kernels (interpreted) per device
+# the KV pool is sized per device: kv_cache_memory bytes on each device, which holds 1/8 of the heads
+args = EngineArgs(block_size=8, max_model_len=128, max_num_seqs=4, kv_cache_memory=2**20, tensor_parallel_size=8)
+core = LLMEngine(LlamaModel(cfg, nnx.Rngs(0)), None, args).core
+per_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(core.runner.kv_cache))
+assert 2**20 - per_device // core.block_manager.num_blocks < per_device <= 2**20, per_device
 print("TP_OK")

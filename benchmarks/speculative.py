@@ -1,8 +1,9 @@
-"""N-gram speculative decoding vs none on the embedded model, KJV continuation prompts, greedy:
-mean acceptance length (1 + accepted / drafts) and TPOT at several batch sizes, both engines in
-this process on the same prompts (each batch run once to compile, then timed).
+"""Speculative decoding (n-gram, and the embedded model's trained draft) vs none on the embedded
+model, KJV continuation prompts, greedy: mean acceptance length (1 + accepted / drafts) and TPOT at
+several batch sizes, every engine in this process on the same prompts (each batch run once to
+compile, then timed).
 
-python -m benchmarks.speculative [--quick] [--k 3] [--out benchmarks/out]
+python -m benchmarks.speculative [--quick] [--k 3] [--methods ngram draft_model] [--out benchmarks/out]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxinfra.loading import DEFAULT_MODEL
+from jaxinfra.loading import DEFAULT_DRAFT_NAME, DEFAULT_MODEL
 from serve import EngineArgs, LLMEngine, SamplingParams
 
 KJV = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kjv_excerpt.txt"
@@ -61,9 +62,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 4, 16 tokens")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"], choices=["ngram", "draft_model"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculation off above this many running requests (default: never; see --auto-off)",
+    )
+    parser.add_argument("--auto-off", action="store_true", help="the config's default disable_by_batch_size")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
-    batches = [1, 4] if args.quick else [1, 8, 32, 64]
+    batches = [1, 4] if args.quick else args.batches
     max_tokens = 16 if args.quick else args.max_tokens
     base = dict(
         model=DEFAULT_MODEL,
@@ -73,11 +83,15 @@ def main() -> None:
         enable_prefix_caching=False,
         compilation_cache_dir="",
     )
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    engines = {
-        "off": LLMEngine.from_engine_args(EngineArgs(**base)),
-        "ngram": LLMEngine.from_engine_args(EngineArgs(**base, speculative_config=spec)),
+    auto_off = {} if args.auto_off else {"disable_by_batch_size": args.disable_by_batch_size}
+    specs = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
+        "draft_model": {"method": "draft_model", "model": DEFAULT_DRAFT_NAME, "num_speculative_tokens": args.k},
     }
+    specs = {name: {**spec, **auto_off} for name, spec in specs.items()}
+    engines = {"off": LLMEngine.from_engine_args(EngineArgs(**base))}
+    for method in args.methods:
+        engines[method] = LLMEngine.from_engine_args(EngineArgs(**base, speculative_config=specs[method]))
     rows = []
     for b in batches:
         prompts = kjv_prompts(b)
@@ -85,27 +99,27 @@ def main() -> None:
         for mode, eng in engines.items():
             run_batch(eng, prompts, max_tokens)  # compiles this batch's shapes
             res[mode] = run_batch(eng, prompts, max_tokens)
-        same = res["off"]["tokens"] == res["ngram"]["tokens"]
-        row = {
-            "batch": b,
-            "tpot_ms_off": res["off"]["tpot_ms"],
-            "tpot_ms_ngram": res["ngram"]["tpot_ms"],
-            "tpot_ratio": res["off"]["tpot_ms"] / res["ngram"]["tpot_ms"],
-            "acceptance_length": res["ngram"]["acceptance_length"],
-            "tokens_per_s_off": res["off"]["tokens_per_s"],
-            "tokens_per_s_ngram": res["ngram"]["tokens_per_s"],
-            "greedy_identical": same,
-        }
+        row: dict = {"batch": b, "tpot_ms_off": res["off"]["tpot_ms"], "tokens_per_s_off": res["off"]["tokens_per_s"]}
+        line = f"batch {b:3d}: TPOT off {row['tpot_ms_off']:.1f} ms"
+        for method in args.methods:
+            r = res[method]
+            row[method] = {
+                "tpot_ms": r["tpot_ms"],
+                "tpot_ratio": res["off"]["tpot_ms"] / r["tpot_ms"],
+                "acceptance_length": r["acceptance_length"],
+                "tokens_per_s": r["tokens_per_s"],
+                "greedy_identical": r["tokens"] == res["off"]["tokens"],
+            }
+            m = row[method]
+            line += (
+                f"; {method} {m['tpot_ms']:.1f} ms (off/{method} {m['tpot_ratio']:.2f}x, acceptance length "
+                f"{m['acceptance_length']:.2f}, greedy identical: {m['greedy_identical']})"
+            )
         rows.append(row)
-        print(
-            f"batch {b:3d}: TPOT off {row['tpot_ms_off']:.1f} ms, ngram {row['tpot_ms_ngram']:.1f} ms "
-            f"(off/ngram {row['tpot_ratio']:.2f}x), acceptance length {row['acceptance_length']:.2f}, "
-            f"greedy outputs identical: {same}",
-            flush=True,
-        )
+        print(line, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculative.json").write_text(
-        json.dumps({"k": args.k, "max_tokens": max_tokens, "rows": rows}, indent=2)
+        json.dumps({"k": args.k, "max_tokens": max_tokens, **auto_off, "rows": rows}, indent=2)
     )
 
 

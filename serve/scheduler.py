@@ -123,6 +123,7 @@ class Scheduler:
         self.proposer = proposer
         self.disable_spec_above = disable_spec_above
         self.spec_stats = SpecDecodingStats(proposer.k) if proposer is not None else None
+        self.drafted = False  # the last step scheduled verifies drafts: its results settle computed counts
         self.connector = connector
         self.loading: dict[int, Sequence] = {}  # seq id -> a waiting sequence whose remote KV is loading
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -182,7 +183,9 @@ class Scheduler:
     def needs_sync(self) -> bool:
         """A running sequence whose last token is still on the device needs it on the host before it is
         scheduled: penalties read the host-built history, a structured output its matcher."""
-        if self.proposer is not None:  # drafts come from the tokens on the host, and a step emits a variable count
+        if self.proposer is not None and (self.drafted or self._may_draft()):
+            # drafts come from the tokens on the host, and a verify step emits a variable count; with
+            # speculation off (auto-off above disable_by_batch_size) steps stay asynchronous
             return any(s.num_pending for s in self.running)
         return any(s.num_pending and (s.params.uses_penalties or s.matcher is not None) for s in self.running)
 
@@ -267,9 +270,7 @@ class Scheduler:
         """Speculative decoding: the proposer's drafts for running decodes (seq id -> tokens), when
         every sequence in the engine takes plain sampling (no logprobs, penalties, logit bias or
         grammar) and few enough run."""
-        if self.proposer is None or not self.running:
-            return {}
-        if self.disable_spec_above is not None and len(self.running) > self.disable_spec_above:
+        if self.proposer is None or not self.running or not self._may_draft():
             return {}
         if not all(_plain(s) for s in (*self.running, *self.waiting)):
             return {}
@@ -277,6 +278,10 @@ class Scheduler:
         room = [min(self.budget(s) - 1, self.max_model_len - s.num_tokens - 1) for s in decodes]
         proposed = self.proposer.propose_lists([s.tokens for s in decodes], [max(r, 0) for r in room])
         return {s.seq_id: d for s, d in zip(decodes, proposed) if d}
+
+    def _may_draft(self) -> bool:
+        """Few enough sequences run for speculation (at most disable_spec_above)."""
+        return self.disable_spec_above is None or len(self.running) <= self.disable_spec_above
 
     def budget(self, seq: Sequence) -> int:
         """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
@@ -323,6 +328,7 @@ class Scheduler:
             num_steps,
         )
         self.finished_ids = []
+        self.drafted = bool(drafts)
         if drafts and self.proposer is not None:
             draft_ids = np.full((n, self.proposer.k), -1, np.int32)
             for row, (seq, count) in enumerate(scheduled):

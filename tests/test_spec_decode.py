@@ -13,9 +13,12 @@ import pytest
 from jax.scipy.special import gammaincc
 
 from jaxinfra.loading import DEFAULT_MODEL, load_config
-from serve import EngineArgs
+from serve import EngineArgs, SamplingParams
+from serve.kv_cache import BlockManager
 from serve.sampler import ROW_FIELDS, SamplingTensors, apply_penalties, sample
-from serve.spec_decode import NgramProposer, SpeculativeConfig, rejection_sample
+from serve.scheduler import Scheduler
+from serve.sequence import Sequence
+from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig, rejection_sample
 
 
 def tensors(n: int, **values) -> SamplingTensors:
@@ -90,6 +93,28 @@ def test_speculative_config_flag_reads_json():
     bad = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}']
     with pytest.raises(ValueError, match="argument --speculative-config.num_speculative_tokens must be"):
         engine_args_from(build_parser().parse_intermixed_args(bad))
+
+
+def test_auto_off_drafts_while_few_run_and_stays_asynchronous_above():
+    """disable_by_batch_size: above it no drafts and no host sync (the step after a step still on the
+    device is scheduled at once); at or below it, drafts again, after a sync."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    sched = Scheduler(BlockManager(64, 4), 8, 64, proposer=DraftSlots(2), disable_spec_above=2)
+    seqs = [Sequence(f"r{i}", 0, [1, 2, 3, 4, 5], params, 0) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.schedule().draft_ids is None  # the prompts
+    assert [s.num_pending for s in seqs] == [1, 1, 1] and not sched.needs_sync()  # 3 run: speculation off
+    out = sched.schedule()  # decodes of the tokens still on the device
+    assert out.draft_ids is None and out.num_new.tolist() == [1, 1, 1]
+    sched.remove(seqs[2])
+    assert sched.needs_sync()  # 2 run: drafts come from tokens on the host
+    for seq in seqs[:2]:
+        seq.tokens += [7, 8]
+        seq.num_pending = 0
+    out = sched.schedule()
+    assert out.draft_ids is not None and (out.draft_ids >= 0).sum(axis=1).tolist() == [2, 2]
+    assert out.num_new.tolist() == [3, 3] and sched.needs_sync()
 
 
 # ---- n-gram proposer ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from serve.device_memory import memory_breakdown
+from serve.expert_load import ExpertLoad
 from serve.kv_budget import kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
@@ -107,12 +108,15 @@ class EngineCore:
             kv_cache_dtype=args.kv_cache_dtype,
             eos_token_ids=self.eos_token_ids,
             tensor_parallel_size=args.tensor_parallel_size,
+            expert_parallel_size=ep,
             attn_impl=args.attn_impl,
             num_scheduler_steps=args.num_scheduler_steps,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             draft_model=draft,
         )
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        self.expert_load = ExpertLoad(moe_layers, cfg.num_experts) if moe_layers else None
         self.requests = self.scheduler.requests  # the scheduler owns request state
         self.inflight: collections.deque[InFlight] = collections.deque()
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
@@ -222,7 +226,10 @@ class EngineCore:
         t0 = time.perf_counter()
         inflight.wait()
         self.step_wait += time.perf_counter() - t0
-        self.scheduler.update_from_output(inflight.batch.sched, inflight.fetch(), outputs)
+        result = inflight.fetch()
+        if self.expert_load is not None and result.expert_counts is not None:
+            self.expert_load.observe(result.expert_counts)
+        self.scheduler.update_from_output(inflight.batch.sched, result, outputs)
 
     # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -239,6 +246,7 @@ class EngineCore:
             self.runner.num_compilations,
             self.scheduler.spec_stats,
             kv_transfer=self.kv_transfer.connector.get_kv_connector_stats() if self.kv_transfer is not None else None,
+            expert_load=self.expert_load.stats() if self.expert_load is not None else None,
         )
 
     def check_invariants(self) -> None:

@@ -73,6 +73,7 @@ class StepResult:
     num_emitted: np.ndarray | None = None  # speculative: [S] tokens each row emitted (tokens is [S, k+1])
     logprobs: LogprobArrays | None = None  # sampled tokens': [S], [S, MAX_LOGPROBS] x 2
     prompt_logprobs: LogprobArrays | None = None  # per prompt token: log p(next prompt token), top ids, top
+    expert_counts: np.ndarray | None = None  # MoE models: token copies per expert [MoE layers, experts]
 
 
 def _rank(seq: Sequence) -> Any:

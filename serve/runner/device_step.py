@@ -14,6 +14,7 @@ from flax import nnx
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.llama import LayerStack, merge_params, unstack_layers
+from jaxinfra.models.moe import expert_counts
 from pallas_kernels import PagedMetadata
 from serve.host_transfer import unpack
 from serve.runner.inputs import StepInputs
@@ -115,6 +116,14 @@ class DeviceStep:
         h, caches = model.hidden_states(ids[None], inputs.positions[None], meta, caches, stack)
         return model, h[0], caches
 
+    def _hidden_counted(self, state, caches, inputs, prev_tokens, max_q_len):
+        """`_hidden` and, for an MoE model, the token copies each expert took [MoE layers, experts]
+        (the batch's padding not counted; None for a dense model)."""
+        (model, h, caches), load = expert_counts(
+            lambda: self._hidden(state, caches, inputs, prev_tokens, max_q_len), inputs.slot_mapping[None] >= 0
+        )
+        return model, h, caches, load
+
     def verify(self, state, caches, buffers, prev_tokens, device_drafts, *, layout, max_q_len):
         """A speculative verify step (drafts and their logit indices packed after the inputs; the draft
         model's, made on device this step, in `device_drafts`, else None)."""
@@ -130,17 +139,17 @@ class DeviceStep:
     def _forward_and_verify(self, state, caches, inputs, sampling, drafts, indices, prev_tokens, max_q_len):
         """Speculative decoding: the target's logits at each row's last token and drafts, and the
         rejection sampler's tokens [S, k+1] (what the next step feeds: each row's last emitted)."""
-        model, h, caches = self._hidden(state, caches, inputs, prev_tokens, max_q_len)
+        model, h, caches, load = self._hidden_counted(state, caches, inputs, prev_tokens, max_q_len)
         s, k1 = indices.shape
         logits = model.logits(h[indices.reshape(-1)]).reshape(s, k1, -1)
         out = rejection_sample(drafts, None, logits, sampling, eos_ids=self.eos_token_ids)
         last = jnp.take_along_axis(out.tokens, (out.num_emitted - 1)[:, None], axis=1)[:, 0]
         none = jnp.zeros((s, MAX_LOGPROBS), jnp.int32)
         sampled = SamplerOutput(out.tokens, jnp.zeros((s,), jnp.float32), none, none.astype(jnp.float32))
-        return sampled, out.num_emitted, self._padded(last), caches
+        return sampled, out.num_emitted, self._padded(last), caches, load
 
     def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
-        model, h, caches = self._hidden(state, caches, inputs, prev_tokens, max_q_len)
+        model, h, caches, load = self._hidden_counted(state, caches, inputs, prev_tokens, max_q_len)
         logits = model.logits(h[inputs.logits_indices])
         out = sample(logits, sampling, eos_ids=self.eos_token_ids)
         targets = inputs.prompt_targets
@@ -151,7 +160,7 @@ class DeviceStep:
             jnp.zeros((t, MAX_LOGPROBS), jnp.float32),
         )
         prompt = jax.lax.cond(jnp.any(targets >= 0), lambda: self._prompt_logprobs(model, h, targets), zeros)
-        return out, self._padded(out.tokens), logits, prompt, caches
+        return out, self._padded(out.tokens), logits, prompt, caches, load
 
     def resample(self, logits, buffers, *, layout):
         """Sample again from a step's logits with penalties, logit_bias and the grammar bitmask."""
@@ -179,8 +188,9 @@ class DeviceStep:
 
     def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, num_steps):
         """Up to num_steps decode steps; a row stops by the host's stop rule (`stops`) or at its budget,
-        and the loop ends early once every row has stopped. Tokens [K, S], -1 where none, and each
-        row's last token (padded to max_num_seqs: what the next step feeds from the device)."""
+        and the loop ends early once every row has stopped. Tokens [K, S], -1 where none, each row's
+        last token (padded to max_num_seqs: what the next step feeds from the device) and, for an MoE
+        model, the token copies each expert took over the loop."""
         model, stack = self._model(state)
         s = budget.shape[0]
         eos = jnp.asarray(self.eos_token_ids or (-1,), jnp.int32)
@@ -188,12 +198,14 @@ class DeviceStep:
         positions0, kv0, tables = inputs.positions, inputs.kv_lens, inputs.block_tables
 
         def body(carry):
-            i, ids, last, active, caches, acc = carry
+            i, ids, last, active, caches, acc, load = carry
             pos = positions0 + i
             block = tables[rows, jnp.minimum(pos // self.block_size, tables.shape[1] - 1)]
             slots = jnp.where(active, block * self.block_size + pos % self.block_size, -1)
             meta = self._meta(inputs, jnp.where(active, kv0 + i, 0), slots, 1, jnp.where(active, pos, -1))
-            h, caches = model.hidden_states(ids[None], pos[None], meta, caches, stack)
+            (h, caches), step_load = expert_counts(
+                lambda: model.hidden_states(ids[None], pos[None], meta, caches, stack), active[None]
+            )
             t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
             out = sample(model.logits(h[0]), t, eos_ids=self.eos_token_ids)
             is_eos = jnp.any(out.tokens[:, None] == eos[None, :], axis=1)
@@ -204,7 +216,8 @@ class DeviceStep:
                 acc,
                 (jnp.where(active, out.tokens, -1), out.logprob, out.top_ids, out.top_logprobs),
             )
-            return i + 1, out.tokens, jnp.where(active, out.tokens, last), active & ~stopped, caches, acc
+            load = None if load is None else load + step_load
+            return i + 1, out.tokens, jnp.where(active, out.tokens, last), active & ~stopped, caches, acc, load
 
         acc = (
             jnp.full((num_steps, s), -1, jnp.int32),
@@ -213,8 +226,10 @@ class DeviceStep:
             jnp.zeros((num_steps, s, MAX_LOGPROBS), jnp.float32),
         )
         ids = self._input_ids(inputs, prev_tokens)
-        init = (jnp.int32(0), ids, ids, budget > 0, caches, acc)
-        _, _, last, _, caches, (tokens, lp, top_ids, top_lp) = jax.lax.while_loop(
+        moe_layers = sum(self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers))
+        load = jnp.zeros((moe_layers, self.cfg.num_experts), jnp.int32) if moe_layers else None
+        init = (jnp.int32(0), ids, ids, budget > 0, caches, acc, load)
+        _, _, last, _, caches, (tokens, lp, top_ids, top_lp), load = jax.lax.while_loop(
             lambda c: (c[0] < num_steps) & jnp.any(c[3]), body, init
         )
-        return SamplerOutput(tokens, lp, top_ids, top_lp), self._padded(last), caches
+        return SamplerOutput(tokens, lp, top_ids, top_lp), self._padded(last), caches, load

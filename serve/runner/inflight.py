@@ -19,6 +19,7 @@ class InFlight:
     out: SamplerOutput
     prompt: tuple[jax.Array, ...]  # prompt logprob arrays, empty for a decode loop
     num_emitted: jax.Array | None = None  # verify step: tokens each row emitted (out.tokens [S, k+1])
+    expert_counts: jax.Array | None = None  # MoE models: token copies per expert [MoE layers, experts]
 
     def wait(self) -> None:
         """Block until the device has finished the step."""
@@ -30,8 +31,10 @@ class InFlight:
         arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]
         if self.batch.prompt_logprobs:
             arrays += list(self.prompt)
-        host = jax.device_get([*arrays, *(() if self.num_emitted is None else (self.num_emitted,))])
+        extra = [a for a in (self.expert_counts, self.num_emitted) if a is not None]
+        host = jax.device_get([*arrays, *extra])  # one transfer, whatever the step returned
         res = StepResult(host[0], None if self.num_emitted is None else host.pop())
+        res.expert_counts = None if self.expert_counts is None else host.pop()
         if want_lp:
             res.logprobs = (host[1], host[2], host[3])
         if self.batch.prompt_logprobs:

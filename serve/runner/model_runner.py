@@ -73,6 +73,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         eos_token_ids: tuple[int, ...] = (),
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         attn_impl: str | None = None,
         num_scheduler_steps: int = 1,
         num_speculative_tokens: int = 0,
@@ -101,10 +102,11 @@ class ModelRunner:
             dtype,
             num_layers=cfg.num_layers,
         )
-        rules = get_rules("tp")
+        # expert_parallel_size > 1: an MoE model's experts split whole over that many devices (tp_ep)
+        rules = get_rules("tp_ep" if expert_parallel_size > 1 else "tp")
         mesh = None
-        if tensor_parallel_size > 1:  # weights and KV pools split over KV heads
-            mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads)
+        if max(tensor_parallel_size, expert_parallel_size) > 1:  # weights and KV pools split over KV heads
+            mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads, expert_parallel_size)
             self.state = shard_state(self.state, mesh, rules.params)
             axes = (None, None, None, "kv_heads", "head_dim")
             self.kv_cache = jax.tree.map(
@@ -178,27 +180,27 @@ class ModelRunner:
         seqs = batch.sched.seqs
         if batch.budget is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
-            out, self.prev_tokens, self.kv_cache = self._multi(
+            out, self.prev_tokens, self.kv_cache, load = self._multi(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
             )
             self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-            return InFlight(batch, out, ())
+            return InFlight(batch, out, (), expert_counts=load)
         if batch.spec is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
             drafts = None
             if self.draft is not None:
                 buffers = jax.device_put(buffers)  # sent once, read by both models
                 drafts = self.draft.propose(buffers, layout, self.prev_tokens, batch.max_q_len)
-            out, num_emitted, self.prev_tokens, self.kv_cache = self._verify(
+            out, num_emitted, self.prev_tokens, self.kv_cache, load = self._verify(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, drafts, layout=layout, max_q_len=batch.max_q_len
             )
             self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-            return InFlight(batch, out, (), num_emitted)
+            return InFlight(batch, out, (), num_emitted, load)
         buffers, layout = pack((batch.inputs, batch.sampling))
         if self.draft is not None:  # the draft's pool mirrors the target's
             buffers = jax.device_put(buffers)
             self.draft.mirror(buffers, layout, self.prev_tokens, batch.max_q_len)
-        out, padded, logits, prompt, self.kv_cache = self._step(
+        out, padded, logits, prompt, self.kv_cache, load = self._step(
             self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )
         if batch.history is not None:
@@ -212,7 +214,7 @@ class ModelRunner:
             out, padded = self._resample(logits, buffers, layout=layout)
         self.prev_tokens = padded
         self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
-        return InFlight(batch, out, prompt)
+        return InFlight(batch, out, prompt, expert_counts=load)
 
     def compiled_text(self, batch: StepBatch) -> str:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""

@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 from sharding.logical import active_rules, logical_to_spec
 
 Weights = tuple[jax.Array, jax.Array, jax.Array]
+RouterSums = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # probabilities [X], squared lse, copies [X], tokens
 
 
 def expert_axes(num_experts: int) -> tuple[str, ...]:
@@ -64,10 +65,10 @@ def expert_parallel_moe(
     router: Float[Array, "E X"],
     expert_weights: tuple[jax.Array, jax.Array, jax.Array],
     route: Callable[[jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
-    sums: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]],
+    sums: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], RouterSums],
     local_ffn: Callable[[jax.Array, jax.Array, Weights], jax.Array],
     axes: tuple[str, ...],
-) -> tuple[Float[Array, "B T E"], tuple[jax.Array, ...]]:
+) -> tuple[Float[Array, "B T E"], RouterSums]:
     """The routed experts' output for `h` with experts split over `axes`, and the router's statistics
     summed over the whole batch's `valid` tokens. Where the batch is split over `axes` too (training),
     each device routes its own tokens; where it is replicated over them (serving: experts folded into

@@ -14,11 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxinfra.config import ModelConfig
-from jaxinfra.models.expert_parallel import expert_axes, expert_parallel_moe
+from jaxinfra.models.expert_parallel import RouterSums, expert_axes, expert_parallel_moe
 from pallas_kernels.grouped_matmul import grouped_matmul
 from sharding import constrain
 
@@ -104,9 +105,6 @@ def route(
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts, probs
-
-
-RouterSums = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # probabilities [X], squared lse, copies [X], tokens
 
 
 def router_sums(
@@ -251,7 +249,7 @@ def summarize(stats: list[RouterStats]) -> RouterStats | None:
     return RouterStats(jnp.mean(aux), jnp.mean(z), counts)
 
 
-def imbalance(counts: Int[Array, "*L X"]) -> jax.Array:
+def imbalance(counts: Int[Array, "*L X"] | Int[np.ndarray, "*L X"]) -> jax.Array | np.floating:
     """Expert load imbalance: max / mean tokens per expert, averaged over layers (1 = perfectly even).
     Array methods only, so numpy counts (the serving engine's, on the host) work too."""
     c = counts.reshape(-1, counts.shape[-1]).astype("float32")

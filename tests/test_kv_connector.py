@@ -15,7 +15,7 @@ import pytest
 from pallas_kernels import PagedKVCache
 from serve.kv_transfer.base import ALL_LAYERS
 from serve.kv_transfer.shm_connector import SharedMemoryConnector
-from serve.kv_transfer.shm_transport import segment_exists
+from serve.kv_transfer.shm_transport import release, segment_exists
 from serve.scheduler import SchedulerOutput
 from tests.kv_transfer.pools import blocks_of, random_pool
 
@@ -127,3 +127,18 @@ def test_transfer_counters_on_metrics():
     assert samples[("jaxinfra:kv_transfer_xfer_time_seconds_count", "kv_consumer", "load")] == 1
     assert samples[("jaxinfra:kv_transfer_blocks_total", "kv_producer", "offered")] == 3
     assert samples[("jaxinfra:kv_transfer_blocks_total", "kv_producer", "pulled")] == 3
+
+
+def test_prompt_saved_again_after_preemption_unlinks_the_first_copy():
+    conn, pool = SharedMemoryConnector(block_size=4), random_pool("bf16", 0)
+    req = Req("r4", PROMPT, [5, 2, 7], {"do_remote_decode": True})
+    n = np.array([10])
+    segments = []
+    for _ in range(2):  # computed, preempted, computed again
+        conn.get_num_new_matched_tokens(req, 0)
+        conn.save_kv_layer(ALL_LAYERS, pool, conn.build_connector_meta(SchedulerOutput([req], n, n * 0, n, n * 0)))
+        segments.append(conn.saved["r4"].handle.segment)
+    _, params = conn.request_finished(req, req.block_ids)
+    assert params is not None and params["handle"]["segment"] == segments[1]
+    assert not segment_exists(segments[0]) and segment_exists(segments[1])
+    assert release(conn.offers.offers["r4"].payload)  # cleanup: nobody pulls it here

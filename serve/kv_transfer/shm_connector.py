@@ -153,6 +153,9 @@ class SharedMemoryConnector(KVConnectorBase):
             start = time.perf_counter()
             handle = write_blocks(pools, save.block_ids)
             self.stats.observe("save", time.perf_counter() - start, handle_nbytes(handle, handle.num_blocks))
+            replaced = self.saved.get(save.request_id)
+            if replaced is not None:  # computed again after a preemption: the newer copy is offered
+                release(replaced.handle)
             self.saved[save.request_id] = RemotePrefill(handle, save.num_tokens, save.prompt_digest)
 
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -142,3 +142,20 @@ def test_prompt_saved_again_after_preemption_unlinks_the_first_copy():
     assert params is not None and params["handle"]["segment"] == segments[1]
     assert not segment_exists(segments[0]) and segment_exists(segments[1])
     assert release(conn.offers.offers["r4"].payload)  # cleanup: nobody pulls it here
+
+
+def test_closing_engine_unlinks_its_offers():
+    """A prefill engine that exits (atexit) leaves no segment behind, offered or only saved."""
+    conn = SharedMemoryConnector(block_size=4)
+    offered = prefill(conn, random_pool("bf16", 0), "r5")["handle"]["segment"]
+    saved = prefill(conn, random_pool("bf16", 0), "r6")["handle"]["segment"]
+    req = Req("r7", PROMPT, [5, 2, 7], {"do_remote_decode": True})
+    conn.get_num_new_matched_tokens(req, 0)
+    n = np.array([10])
+    conn.save_kv_layer(
+        ALL_LAYERS, random_pool("bf16", 0), conn.build_connector_meta(SchedulerOutput([req], n, n * 0, n, n * 0))
+    )
+    unfinished = conn.saved["r7"].handle.segment
+    conn.close()
+    assert not any(segment_exists(s) for s in (offered, saved, unfinished))
+    assert len(conn.offers) == 0 and conn.offers.blocks_expired == 6

@@ -64,6 +64,13 @@ class OfferTable:
             self.blocks_expired += len(o.block_ids)
         return gone
 
+    def expire_all(self) -> list[Offer]:
+        """Every offer, removed and counted as expired (the engine is going away)."""
+        gone = list(self.offers.values())
+        self.offers.clear()
+        self.blocks_expired += sum(len(o.block_ids) for o in gone)
+        return gone
+
     @property
     def num_held_blocks(self) -> int:
         return sum(len(o.block_ids) for o in self.offers.values())

@@ -14,6 +14,7 @@ prompt if the segment is gone or does not fit.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import time
@@ -66,6 +67,16 @@ class SharedMemoryConnector(KVConnectorBase):
         self.loaded: set[str] = set()
         self.failed: set[str] = set()
         self.stats = KVTransferStats(role)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Unlink every segment this engine still holds (it exits: nobody would expire its offers);
+        a decode engine that comes for one recomputes the prompt."""
+        for offer in self.offers.expire_all():
+            release(offer.payload)
+        for remote in self.saved.values():
+            release(remote.handle)
+        self.saved.clear()
 
     # --- scheduler side -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:

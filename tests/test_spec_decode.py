@@ -19,6 +19,7 @@ from serve.sampler import ROW_FIELDS, SamplingTensors, apply_penalties, sample
 from serve.scheduler import Scheduler
 from serve.sequence import Sequence
 from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig, rejection_sample
+from serve.spec_decode.config import AUTO_OFF_BATCH_SIZE
 
 
 def tensors(n: int, **values) -> SamplingTensors:
@@ -38,6 +39,9 @@ def tensors(n: int, **values) -> SamplingTensors:
 def test_config_takes_vllms_dict_and_defaults():
     c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    assert c.disable_by_batch_size == AUTO_OFF_BATCH_SIZE  # the measured auto-off; None: never off
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    assert c.disable_by_batch_size is None
     c = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max, c.model) == ("ngram", 4, 4, None)
     c = SpeculativeConfig.from_dict({"model": "tiny-llama", "num_speculative_tokens": 4})

@@ -10,6 +10,10 @@ from jaxinfra.loading import load_config
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle")
 NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min/max when neither is given
+# Speculation off above this many running requests unless the config says otherwise (None: never off).
+# Measured (benchmarks/speculative.py, RESULTS.md): both proposers win at batch 1, break even at 2-4
+# and lose 2-7x at 8 and above, where a verify step costs more than ~2 accepted tokens save.
+AUTO_OFF_BATCH_SIZE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +30,9 @@ class SpeculativeConfig:
     """ngram: the shortest suffix n-gram matched (default: prompt_lookup_max, else 5)."""
     prompt_lookup_max: int | None = None
     """ngram: the longest suffix n-gram matched (default: prompt_lookup_min, else 5)."""
-    disable_by_batch_size: int | None = None
-    """Propose nothing while more than this many requests run (speculation costs more than it saves)."""
+    disable_by_batch_size: int | None = AUTO_OFF_BATCH_SIZE
+    """Propose nothing while more than this many requests run (speculation costs more than it saves);
+    None: speculate at any batch size."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], target_model: str | None = None) -> SpeculativeConfig:

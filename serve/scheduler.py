@@ -379,6 +379,8 @@ class Scheduler:
                 continue
             seq.num_pending -= m
             for k, token in enumerate(tokens[i][: emitted[i]]):
+                if res.logprobs is None and self._append_plain(seq, token, outputs):
+                    continue
                 lp = None
                 if res.logprobs is not None:
                     at = (k, i) if loop else (i,)
@@ -413,6 +415,23 @@ class Scheduler:
             seq.prompt_logprobs.append(
                 token_logprobs(seq.tokens[j + 1], (prompt[0][row], prompt[1][row], prompt[2][row]), k)
             )
+
+    def _append_plain(self, seq: Sequence, token: int, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
+        """`_append`'s common case at a few attribute reads: a started sequence without a grammar takes
+        a token that is no EOS or stop id and leaves it within max_tokens and max_model_len. False,
+        with nothing done, for anything else (`_append` then applies the full rules)."""
+        if seq.matcher is not None or not seq.started or token in self.eos_set or token in seq.stop_ids:
+            return False
+        n = len(seq.tokens) + 1
+        if n - seq.prompt_len >= seq.max_output or n >= self.max_model_len:
+            return False
+        seq.tokens.append(token)
+        out = outputs.get(seq)
+        if out is None:
+            outputs[seq] = EngineCoreOutput(seq.request_id, seq.index, [token])
+        else:
+            out.new_token_ids.append(token)
+        return True
 
     def _append(self, seq: Sequence, token: int, lp: Logprob | None, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
         """Add a sampled token and check the stop rules (EOS and stop ids once min_tokens are out,

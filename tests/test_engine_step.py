@@ -2,6 +2,7 @@
 force a synchronous step, and streaming requests get one token per output."""
 
 import numpy as np
+import pytest
 from serve_helpers import GREEDY, engine, prompts, reference
 
 from serve import SamplingParams
@@ -29,6 +30,28 @@ def test_runner_runs_synthetic_scheduler_outputs():
     seqs[1].tokens += ref[1][:2]
     runner.prepare(SchedulerOutput(seqs[1:], one[:1], n[1:] + 1, n[1:] + 2, zero[:1], finished=[gone]))
     assert gone not in runner.slots.slot_of
+
+
+def test_a_row_refilled_by_another_sequence_takes_its_settings():
+    """The persistent batch reuses the sampling columns it gathered while a step's rows are the same:
+    a finished sequence's row refilled by a new one (same rows, same order) carries the new one's
+    settings, and a step that only moves on reuses them."""
+    runner = engine().core.runner
+    hot = SamplingParams(temperature=0.7, max_tokens=4, stop_token_ids=[9])
+    a, b, c = (Sequence(f"r{i}", 0, [1, 2, 3], p, 0) for i, p in enumerate((GREEDY, GREEDY, hot)))
+    for i, s in enumerate((a, b, c)):
+        s.block_ids = [i]
+    three, zero = np.full(2, 3, np.int32), np.zeros(2, np.int32)
+    first = runner.prepare(SchedulerOutput([a, b], three, zero, three, zero))
+    second = runner.prepare(SchedulerOutput([c, b], three, zero, three, zero, finished=[a.seq_id]))
+    one = three // 3
+    decodes = [runner.prepare(SchedulerOutput([c, b], one, three + k, three + k + 1, zero)) for k in range(2)]
+    assert first.rows.tolist() == second.rows.tolist() == decodes[1].rows.tolist()
+    assert first.sampling.temperature[:2].tolist() == [0.0, 0.0]
+    for batch in (second, *decodes):
+        assert batch.sampling.temperature[:2].tolist() == pytest.approx([0.7, 0.0])
+        assert batch.sampling.stop_ids[0, 0] == 9 and batch.sampling.stop_ids[1, 0] == -1
+    assert [d.sampling.out_pos[:2].tolist() for d in decodes] == [[1, 1], [2, 2]]
 
 
 def test_streaming_requests_get_one_token_per_output_and_loops_do_not_force_a_sync():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from typing import Any
 
 import numpy as np
@@ -9,6 +11,9 @@ import numpy as np
 from serve.sampler import ROW_FIELDS, SamplingTensors, row_settings
 from serve.sampling_params import MAX_BANNED_STOP_IDS, MAX_LOGIT_BIAS
 from serve.sequence import Sequence
+
+_seq_id = operator.attrgetter("seq_id")
+_block_ids = operator.attrgetter("block_ids")
 
 
 class SlotTable:
@@ -31,12 +36,14 @@ class SlotTable:
         self.prompt_logprobs = np.zeros(capacity, bool)
         self.slot_of: dict[int, int] = {}
         self.free = list(range(capacity - 1, -1, -1))
+        self._gathered: tuple[bytes, int, SamplingTensors] | None = None  # the last sampling() rows' columns
 
     def row(self, seq: Sequence) -> int:
         """The sequence's row, written on first use; its block ids brought up to date."""
         slot = self.slot_of.get(seq.seq_id)
         if slot is None:
             slot = self.slot_of[seq.seq_id] = self.free.pop()
+            self._gathered = None
             p = seq.params
             for name, value in row_settings(p, seq.seed, seq.index, self.vocab_size).items():
                 self.settings[name][slot] = value
@@ -58,6 +65,19 @@ class SlotTable:
             self.num_blocks[slot] = want
         return slot
 
+    def rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """The sequences' rows [len(seqs)]: looked up in C while every one has a row (new sequences
+        go through `row()`), block ids copied only for rows whose block count changed."""
+        n = len(seqs)
+        try:
+            rows = np.fromiter(map(self.slot_of.__getitem__, map(_seq_id, seqs)), np.int32, n)
+        except KeyError:
+            return np.fromiter(map(self.row, seqs), np.int32, n)
+        grown = np.fromiter(map(len, map(_block_ids, seqs)), np.int32, n) != self.num_blocks[rows]
+        for i in np.flatnonzero(grown).tolist():
+            self.row(seqs[i])
+        return rows
+
     def release(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
@@ -70,8 +90,14 @@ class SlotTable:
         return ids, values
 
     def sampling(self, rows: np.ndarray, sb: int, out_pos: np.ndarray) -> SamplingTensors:
-        """The sampler's [sb] rows: the given rows, then padding rows (greedy, no filters)."""
+        """The sampler's [sb] rows: the given rows, then padding rows (greedy, no filters). The
+        settings columns gathered for the last call are reused while its rows are the same."""
         n = len(rows)
+        key = rows.tobytes()
+        if self._gathered is not None and self._gathered[:2] == (key, sb):
+            out = np.zeros(sb, np.int32)
+            out[:n] = out_pos
+            return dataclasses.replace(self._gathered[2], out_pos=out)
 
         def padded(col: np.ndarray, pad: float | int | bool, values: np.ndarray) -> np.ndarray:
             out = np.full((sb, *col.shape[1:]), pad, col.dtype)
@@ -83,4 +109,6 @@ class SlotTable:
         }
         fields["out_pos"] = padded(self.prompt_len, 0, out_pos)
         fields["stop_ids"] = padded(self.stop_ids, -1, self.stop_ids[rows])
-        return SamplingTensors(**fields)  # numpy here; jax arrays inside the jitted step
+        tensors = SamplingTensors(**fields)  # numpy here; jax arrays inside the jitted step
+        self._gathered = (key, sb, tensors)
+        return tensors

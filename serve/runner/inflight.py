@@ -27,7 +27,7 @@ class InFlight:
 
     def fetch(self) -> StepResult:
         """The step's results on the host: tokens, and logprobs only when a row asked for them."""
-        want_lp = any(s.params.logprobs is not None for s in self.batch.sched.seqs)
+        want_lp = bool(self.batch.sampling.logprobs.any())
         arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]
         if self.batch.prompt_logprobs:
             arrays += list(self.prompt)

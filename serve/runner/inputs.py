@@ -53,6 +53,7 @@ class StepBatch:
     grammar_rows: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (matcher, row) to mask
     bias: tuple[np.ndarray, np.ndarray] | None = None  # resampling: logit_bias [S, MAX_LOGIT_BIAS] ids, values
     spec: tuple[np.ndarray, np.ndarray] | None = None  # verify step: drafts [S, k], target logit indices [S, k+1]
+    rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # each row's slot
 
 
 @dataclasses.dataclass
@@ -70,14 +71,23 @@ class InputBuilder:
     width_buckets: list[int]
     attn_impl: str
     kernel_shape: tuple[int, int, bool]  # the Pallas kernel's (query heads per KV head, head dim, quantized KV)
+    prev_row: np.ndarray = dataclasses.field(init=False)  # per slot: its row in the last dispatched step
 
-    def prepare(self, sched: SchedulerOutput, prev_rows: dict[int, int]) -> StepBatch:
-        """Host arrays for one step (or a multi-step decode loop); `prev_rows` says where each
-        sequence's token still on the device sits in the previous step's output."""
+    def __post_init__(self) -> None:
+        self.prev_row = np.zeros(len(self.slots.num_blocks), np.int32)
+
+    def dispatched(self, batch: StepBatch) -> None:
+        """Record where each of the batch's sequences finds its last token in the step's output."""
+        self.prev_row[batch.rows] = np.arange(len(batch.rows), dtype=np.int32)
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """Host arrays for one step (or a multi-step decode loop). Python touches only the rows that
+        changed (new sequences, grown block tables, tokens not fed from the device); the rest is
+        numpy over the persistent batch."""
         table = self.slots
         seqs, num_steps = sched.seqs, sched.num_steps
         n_seq = len(seqs)
-        rows = np.fromiter((table.row(s) for s in seqs), np.int32, n_seq)
+        rows = table.rows(seqs)
         counts, starts, pending, num_tokens = sched.num_new, sched.num_computed, sched.num_pending, sched.num_tokens
         n_tok = int(counts.sum())
         decode_only = int(counts.max(initial=0)) <= 1
@@ -97,9 +107,9 @@ class InputBuilder:
         prev_index = np.full(tb, -1, np.int32)
         if decode_only:  # each sequence feeds its last token, or the one still on the device
             has_prev = pending > 0
-            input_ids[:n_seq] = [0 if p else s.tokens[-1] for s, p in zip(seqs, has_prev.tolist())]
-            if has_prev.any():
-                prev_index[:n_seq][has_prev] = [prev_rows[s.seq_id] for s, p in zip(seqs, has_prev) if p]
+            known = np.flatnonzero(~has_prev).tolist()
+            input_ids[known] = [seqs[i].tokens[-1] for i in known]
+            prev_index[:n_seq][has_prev] = self.prev_row[rows[has_prev]]
         else:
             drafts = sched.draft_ids
             for i, (s, n, start) in enumerate(zip(seqs, counts.tolist(), starts.tolist())):
@@ -107,7 +117,7 @@ class InputBuilder:
                 if start + n <= len(known):
                     input_ids[cu[i] : cu[i] + n] = known[start : start + n]
                 else:  # a decode of the token the previous step is still sampling on the device
-                    prev_index[cu[i]] = prev_rows[s.seq_id]
+                    prev_index[cu[i]] = self.prev_row[rows[i]]
         slots = np.full(tb, -1, np.int32)
         p = positions[:n_tok]
         slots[:n_tok] = block_tables[seq_of_tok, p // self.block_size] * self.block_size + p % self.block_size
@@ -145,7 +155,7 @@ class InputBuilder:
         )
         inputs = StepInputs(**columns, **self.work_tiles(cu, block_tables, plan_kv, tb, max_q_len))
         sampling = table.sampling(rows, sb, out_pos)
-        batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs)
+        batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs, rows=rows)
         if sched.draft_ids is not None:
             batch.spec = verify_arrays(sched.draft_ids, logits_indices[:n_seq], sb)
         if budget is None and table.resample[rows].any():

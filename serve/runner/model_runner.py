@@ -147,7 +147,6 @@ class ModelRunner:
         )
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
         self.prev_tokens = self._no_prev  # the last single step's sampled tokens, on device
-        self.prev_rows: dict[int, int] = {}  # seq_id -> its row in prev_tokens
         d = self.device
         self._step = jax.jit(d.step, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
         self._multi = jax.jit(d.multi, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
@@ -173,17 +172,16 @@ class ModelRunner:
         """Host arrays for one step (or a multi-step decode loop), from the scheduler's output; rows of
         sequences that left the batch are freed first."""
         self.free_rows(sched)
-        return self.inputs.prepare(sched, self.prev_rows)
+        return self.inputs.prepare(sched)
 
     def dispatch(self, batch: StepBatch) -> InFlight:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
-        seqs = batch.sched.seqs
         if batch.budget is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
             out, self.prev_tokens, self.kv_cache, load = self._multi(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
             )
-            self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+            self.inputs.dispatched(batch)
             return InFlight(batch, out, (), expert_counts=load)
         if batch.spec is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
@@ -194,7 +192,7 @@ class ModelRunner:
             out, num_emitted, self.prev_tokens, self.kv_cache, load = self._verify(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, drafts, layout=layout, max_q_len=batch.max_q_len
             )
-            self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+            self.inputs.dispatched(batch)
             return InFlight(batch, out, (), num_emitted, load)
         buffers, layout = pack((batch.inputs, batch.sampling))
         if self.draft is not None:  # the draft's pool mirrors the target's
@@ -213,7 +211,7 @@ class ModelRunner:
             buffers, layout = pack((batch.sampling, *batch.history, bitmask, *bias))
             out, padded = self._resample(logits, buffers, layout=layout)
         self.prev_tokens = padded
-        self.prev_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        self.inputs.dispatched(batch)
         return InFlight(batch, out, prompt, expert_counts=load)
 
     def compiled_text(self, batch: StepBatch) -> str:
@@ -264,4 +262,4 @@ class ModelRunner:
         for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):
             self.dispatch(batch)
         jax.block_until_ready(self.kv_cache)
-        self.prev_tokens, self.prev_rows = self._no_prev, {}
+        self.prev_tokens = self._no_prev

@@ -95,7 +95,7 @@ class SlotTable:
         n = len(rows)
         key = rows.tobytes()
         if self._gathered is not None and self._gathered[:2] == (key, sb):
-            out = np.zeros(sb, np.int32)
+            out: Any = np.zeros(sb, np.int32)  # numpy, as every field here
             out[:n] = out_pos
             return dataclasses.replace(self._gathered[2], out_pos=out)
 

@@ -148,12 +148,17 @@ def unavailable(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}}
 
 
+# Ray Serve queues a deployment's requests past max_ongoing_requests (default 5): the ingress only
+# relays, so its cap must stay above what the engines admit (they answer 429 themselves).
+INGRESS_MAX_ONGOING_REQUESTS = 100_000
+
+
 def sse_error(message: str) -> bytes:
     """The error event that ends a stream whose replica died mid-way (the openai client raises it)."""
     return f"data: {json.dumps(unavailable(message))}\n\ndata: [DONE]\n\n".encode()
 
 
-@serve.deployment
+@serve.deployment(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
 @serve.ingress(ingress_app)
 class Ingress:
     """Relays every route to the replica the prefix-aware router picks, over a pool it sizes."""

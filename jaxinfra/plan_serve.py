@@ -178,7 +178,7 @@ def plan(
 ) -> ServePlan:
     """The plan for engine arguments `args` on `device`; `weights`: the bytes of a quantized checkpoint
     (default: the model's weights as `args.quantization` leaves them)."""
-    from serve.kv_budget import kv_cache_blocks, step_token_budget, step_workspace_bytes
+    from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, step_workspace_bytes
     from serve.runner import num_blocks_for_memory
 
     tp = args.tensor_parallel_size
@@ -190,7 +190,7 @@ def plan(
     utilization = args.gpu_memory_utilization
     limit = device.allocator_limit(utilization)
     usable = None if limit is None or device.total is None else min(limit, int(device.total * utilization))
-    step_tokens = step_token_budget(args, args.max_model_len or min(cfg.max_position_embeddings, 4096))
+    step_tokens = step_token_budget(args, engine_max_model_len(cfg, args))
     workspace = step_workspace_bytes(cfg, step_tokens, args.max_num_seqs, tp)
     num_blocks = kv_cache_blocks(cfg, args, step_tokens, usable, weights)
     notes = []

@@ -22,7 +22,7 @@ from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from serve.device_memory import memory_breakdown
 from serve.expert_load import ExpertLoad
-from serve.kv_budget import kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
+from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
 from serve.runner import InFlight, ModelRunner
@@ -45,7 +45,7 @@ class EngineCore:
         self.args = args
         self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size
-        self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+        self.max_model_len = engine_max_model_len(cfg, args)
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
@@ -57,16 +57,6 @@ class EngineCore:
         if ep > 1 and cfg.num_experts % ep:
             raise ValueError(
                 f"EngineArgs.expert_parallel_size ({ep}) must divide the model's num_experts ({cfg.num_experts})"
-            )
-        budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else self.max_model_len)
-        if budget < args.max_num_seqs and args.max_num_batched_tokens is not None:
-            raise ValueError(
-                f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_num_seqs ({args.max_num_seqs})"
-            )
-        if budget < self.max_model_len and not args.enable_chunked_prefill:
-            raise ValueError(
-                f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is off"
             )
         budget = step_token_budget(args, self.max_model_len)
         num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget)

@@ -16,6 +16,7 @@ from serve.config import EngineArgs
 from serve.runner.sizing import num_blocks_for_memory
 
 DEFAULT_CPU_KV_MEMORY = 256 * 2**20  # per device, off GPU, when EngineArgs.kv_cache_memory is unset
+DEFAULT_MAX_MODEL_LEN = 4096  # when neither EngineArgs.max_model_len nor a shorter model limit says less
 XLA_MEM_FRACTION = 0.75  # XLA's GPU allocator default share of device memory
 MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
@@ -34,9 +35,22 @@ def core_process_env(args: EngineArgs) -> dict[str, str]:
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{args.gpu_memory_utilization:g}"}
 
 
+def engine_max_model_len(cfg: ModelConfig, args: EngineArgs) -> int:
+    """EngineArgs.max_model_len, or the model's max_position_embeddings capped at 4096."""
+    return args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
 def step_token_budget(args: EngineArgs, max_model_len: int) -> int:
-    """Tokens one step may schedule (max_num_batched_tokens, or its default)."""
+    """Tokens one step may schedule (max_num_batched_tokens, or its default); one the engine cannot
+    run is a ValueError naming the field."""
     budget = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max_model_len)
+    if budget < args.max_num_seqs and args.max_num_batched_tokens is not None:
+        raise ValueError(f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_num_seqs ({args.max_num_seqs})")
+    if budget < max_model_len and not args.enable_chunked_prefill:
+        raise ValueError(
+            f"EngineArgs.max_num_batched_tokens ({budget}) must be >= max_model_len "
+            f"({max_model_len}) when chunked prefill is off"
+        )
     return max(budget, args.max_num_seqs)
 
 

@@ -18,7 +18,7 @@ from jaxinfra.plan_serve import GPUS, Device, Workload, plan, weight_bytes
 from pallas_kernels import PagedKVCache
 from serve.config import EngineArgs
 from serve.engine_core import EngineCore
-from serve.kv_budget import step_workspace_bytes
+from serve.kv_budget import step_token_budget, step_workspace_bytes
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TINY = ModelConfig(
@@ -161,3 +161,13 @@ def test_moe_model_plans_dense_weights_only(capsys: pytest.CaptureFixture[str]) 
     assert body["plan"]["weight_bytes_total"] == weight_bytes(load_config("tiny-mixtral")) > 0
     refused = [v for v in body["variants"] if isinstance(v, str)]
     assert len(refused) == 6 and all("experts" in v for v in refused)  # int8/int4 weights x three KV dtypes
+
+
+def test_a_step_budget_the_engine_cannot_run_is_refused_for_engine_and_plan_alike() -> None:
+    few = EngineArgs(model="tiny", max_num_batched_tokens=4, max_num_seqs=8, compilation_cache_dir="")
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
+        step_token_budget(few, 128)
+    unchunked = EngineArgs(model="tiny", max_num_batched_tokens=64, max_num_seqs=8, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="when chunked prefill is off"):
+        plan("tiny", TINY, unchunked, Device("cpu", None), WORKLOAD)
+    assert step_token_budget(EngineArgs(model="tiny", max_num_seqs=8), 128) == 2048

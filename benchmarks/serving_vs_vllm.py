@@ -106,6 +106,10 @@ def bench(vllm_python: str, script: Path, url: str, concurrency: int, args: argp
         str(max(args.prompts_per_concurrency * concurrency, args.min_prompts)),
         "--max-concurrency",
         str(concurrency),
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
         "--save-result",
         "--result-dir",
         str(out),
@@ -124,6 +128,7 @@ def bench(vllm_python: str, script: Path, url: str, concurrency: int, args: argp
             "median_ttft_ms",
             "p99_tpot_ms",
             "median_itl_ms",
+            "p99_itl_ms",
             "duration",
         )
     }
@@ -178,19 +183,24 @@ def main() -> None:
                 r = results[name][c]
                 print(
                     f"{name:5s} c={c:<4d} {r['output_throughput']:8.1f} tok/s  TPOT p50 {r['median_tpot_ms']:7.1f} ms  "
-                    f"TTFT p50 {r['median_ttft_ms']:8.1f} ms  ({r['completed']} ok, {r['failed']} failed)",
+                    f"TTFT p50 {r['median_ttft_ms']:8.1f} ms  ITL p99/TPOT p50 "
+                    f"{r['p99_itl_ms'] / r['median_tpot_ms']:.1f}x  ({r['completed']} ok, {r['failed']} failed)",
                     flush=True,
                 )
     (args.out / "serving_vs_vllm.json").write_text(json.dumps(results, indent=2))
     if len(results) == 2:
-        print("\n| concurrency | jaxinfra output tok/s | vLLM-CPU output tok/s | ratio | median TPOT ours / vLLM |")
-        print("| --- | --- | --- | --- | --- |")
+        print(
+            "\n| concurrency | jaxinfra output tok/s | vLLM-CPU output tok/s | ratio | median TPOT ours / vLLM "
+            "| P99 ITL / median TPOT ours / vLLM |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
         for c in levels:
             o, v = results["ours"][c], results["vllm"][c]
             print(
                 f"| {c} | {o['output_throughput']:.0f} | {v['output_throughput']:.0f} | "
                 f"{o['output_throughput'] / v['output_throughput']:.2f} | "
-                f"{o['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} ms |"
+                f"{o['median_tpot_ms']:.1f} / {v['median_tpot_ms']:.1f} ms | "
+                f"{o['p99_itl_ms'] / o['median_tpot_ms']:.1f}x / {v['p99_itl_ms'] / v['median_tpot_ms']:.1f}x |"
             )
         plot(results, levels, args.out / "serving_vs_vllm.png")
 

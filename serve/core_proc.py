@@ -34,6 +34,7 @@ from serve.core_types import (
 )
 from serve.engine_core import EngineCore
 from serve.grammar_queue import GrammarQueue
+from serve.loop_stream import LoopTokenStream
 
 # glibc malloc settings for the core: XLA's CPU buffers are freed and allocated again every step;
 # served from one arena that is never trimmed, they stop costing page faults (2-3x on CPU steps).
@@ -46,6 +47,9 @@ ALLOCATOR_ENV = {
 PARENT_CHECK_MS = 1000
 GRAMMAR_POLL_S = 0.01  # how long an otherwise idle core waits on compiling grammars between input checks
 HEARTBEAT_INTERVAL_S = 0.2
+# How long the step loop may hold the GIL while the decode loop's tap waits for it (Python's 5 ms
+# default would stall the device that long, once a loop, at large batches)
+SWITCH_INTERVAL_S = 0.0005
 
 
 def start_heartbeat(fd: int) -> None:
@@ -76,8 +80,11 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def build_core(args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool) -> EngineCore:
-    """Load the model and build (and optionally warm up) an EngineCore."""
+def build_core(
+    args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool, stream: LoopTokenStream | None = None
+) -> EngineCore:
+    """Load the model and build (and optionally warm up) an EngineCore; `stream`: its decode loops'
+    tokens are streamed through it."""
     enable_compilation_cache(args.compilation_cache_dir)
     model = load_model(
         args.model,
@@ -87,17 +94,25 @@ def build_core(args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool) -
         quantization=args.quantization,
     )
     core = EngineCore(model, args, eos_token_ids)
+    if stream is not None:
+        core.stream_loops(stream)
     if warmup:
         core.runner.warmup()
     return core
 
 
 def run_engine_core(launch: CoreLaunch) -> None:
-    """Build the core, report readiness on launch.ready_fd, then serve the sockets until terminated."""
+    """Build the core, report readiness on launch.ready_fd, then serve the sockets until terminated.
+    Every message leaves through one sender thread (serve.loop_stream), which also streams the decode
+    loops' tokens as they are made."""
     parent = os.getppid()
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    encoder = msgspec.msgpack.Encoder()
+    stream = LoopTokenStream(lambda msg: out.send(encoder.encode(msg)))
     with os.fdopen(launch.ready_fd, "wb") as ready:
         try:
-            core = build_core(launch.args, tuple(launch.eos_token_ids), launch.warmup)
+            core = build_core(launch.args, tuple(launch.eos_token_ids), launch.warmup, stream)
         except BaseException as e:
             ready.write(msgspec.msgpack.encode(StartupError(f"{type(e).__name__}: {e}")))
             raise
@@ -108,12 +123,11 @@ def run_engine_core(launch: CoreLaunch) -> None:
                 )
             )
         )
-    ctx = zmq.Context()
-    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inp.connect(launch.input_addr)
     out.connect(launch.output_addr)
-    decoder, encoder = msgspec.msgpack.Decoder(CoreInput), msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(CoreInput)
     grammars = GrammarQueue(core)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     def take(msg: EngineCoreRequest | AbortRequests | UtilityCall, reply: EngineCoreOutputs) -> None:
         if isinstance(msg, EngineCoreRequest):
@@ -132,7 +146,7 @@ def run_engine_core(launch: CoreLaunch) -> None:
                 result = EngineCoreOutputs(utility=(msg.call_id, None, core.utility(msg.method, msg.args)))
             except Exception as e:  # an AssertionError from an invariant check, say
                 result = EngineCoreOutputs(utility=(msg.call_id, f"{type(e).__name__}: {e}", None))
-            out.send(encoder.encode(result))
+            stream.send(result)
 
     try:
         while True:
@@ -143,7 +157,7 @@ def run_engine_core(launch: CoreLaunch) -> None:
                 if os.getppid() != parent:
                     return  # orphaned: the frontend is gone
                 if core.poll_kv_transfers():  # offers pulled or expired: the frontend's /metrics learns it
-                    out.send(encoder.encode(EngineCoreOutputs(stats=core.stats())))
+                    stream.send(EngineCoreOutputs(stats=core.stats()))
                 continue
             reply = EngineCoreOutputs(rejected=grammars.admit())
             arrived = False
@@ -157,11 +171,12 @@ def run_engine_core(launch: CoreLaunch) -> None:
                 continue  # a grammar is still compiling, nothing else happened
             reply.stats = core.stats()
             reply.stats.num_waiting += len(grammars)
-            out.send(encoder.encode(reply))
+            stream.results(reply, core.applied_step)
     except Exception:
         traceback.print_exc(file=sys.stderr)
         raise
     finally:
+        stream.close()
         inp.close(linger=0)
         out.close(linger=100)
         ctx.term()

@@ -25,8 +25,9 @@ from serve.expert_load import ExpertLoad
 from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
+from serve.loop_stream import LoopTokenStream, device_tap
 from serve.runner import InFlight, ModelRunner
-from serve.scheduler import CoreRequest, Scheduler
+from serve.scheduler import CoreRequest, Scheduler, SchedulerOutput
 from serve.sequence import Sequence
 from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig
 from serve.structured_output import GrammarCompiler, Matcher
@@ -110,6 +111,15 @@ class EngineCore:
         self.requests = self.scheduler.requests  # the scheduler owns request state
         self.inflight: collections.deque[InFlight] = collections.deque()
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
+        self.applied_step = -1  # the last step id whose results were applied
+        self.loop_stream: LoopTokenStream | None = None
+
+    def stream_loops(self, stream: LoopTokenStream) -> None:
+        """Stream decode loops' tokens through `stream` as they are made, so streams may loop too
+        (before warm-up: the loop is traced with its tap)."""
+        self.loop_stream = stream
+        self.scheduler.stream_loops = True
+        self.runner.device.loop_tap = device_tap(stream.tap)
 
     @staticmethod
     def _draft_model(spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:
@@ -201,6 +211,8 @@ class EngineCore:
         kv_meta = self.kv_transfer.before_step(sched) if self.kv_transfer is not None else None
         keep = 0
         if sched.seqs:
+            if self.loop_stream is not None:
+                self.loop_stream.register(sched.step_id, self._streamed_rows(sched))
             self.inflight.append(self.runner.dispatch(self.runner.prepare(sched)))
             keep = 1 if self.args.async_scheduling else 0
         else:
@@ -212,6 +224,18 @@ class EngineCore:
         self.step_time = time.perf_counter() - start
         return list(outputs.values())
 
+    def _streamed_rows(self, sched: SchedulerOutput) -> list[tuple[str, int, int] | None] | None:
+        """A decode loop's rows whose tokens stream as made: those past their prompt (a first token
+        comes with the step's results, which carry what a first output says), each with the loop
+        token that ends it by length (its budget, when the loop spends all of it; else 0)."""
+        if sched.num_steps == 1 or sched.budgets is None:
+            return None
+        budget = self.scheduler.budget  # what is left after this loop: 0 for a row it ends
+        return [
+            (s.request_id, s.index, made if budget(s) == 0 else 0) if computed >= s.prompt_len else None
+            for s, computed, made in zip(sched.seqs, sched.num_computed.tolist(), sched.budgets.tolist())
+        ]
+
     def _update(self, inflight: InFlight, outputs: dict[Sequence, EngineCoreOutput]) -> None:
         t0 = time.perf_counter()
         inflight.wait()
@@ -220,6 +244,7 @@ class EngineCore:
         if self.expert_load is not None and result.expert_counts is not None:
             self.expert_load.observe(result.expert_counts)
         self.scheduler.update_from_output(inflight.batch.sched, result, outputs)
+        self.applied_step = inflight.batch.sched.step_id
 
     # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

@@ -54,6 +54,7 @@ class SchedulerOutput:
     num_steps: int = 1
     budgets: np.ndarray | None = None  # decode loop: tokens each row may make
     draft_ids: np.ndarray | None = None  # speculative: [S, k] draft tokens each row verifies (-1 pads)
+    step_id: int = 0  # the non-empty steps scheduled before this one: results apply in this order
 
     @property
     def samples(self) -> np.ndarray:
@@ -94,7 +95,9 @@ class Scheduler:
     Asynchronous scheduling: a running sequence whose last sampled token is still on the device is
     scheduled for it (the runner feeds it from the device); a waiting one is not admitted until its
     tokens are known, and one that has reached max_tokens is not scheduled again. A decode-only
-    batch with nothing waiting runs `num_scheduler_steps` steps in one jitted loop."""
+    batch with nothing waiting runs `num_scheduler_steps` steps in one jitted loop. With
+    `stream_loops` a loop's tokens reach streams as they are made (serve.loop_stream), so streams
+    may loop too; otherwise a stream's rows run single steps, each token its own output."""
 
     def __init__(
         self,
@@ -110,6 +113,7 @@ class Scheduler:
         proposer: NgramProposer | DraftSlots | None = None,
         disable_spec_above: int | None = None,
         connector: KVConnectorBase | None = None,
+        stream_loops: bool = False,
     ) -> None:
         """`proposer`: speculative decoding's, drafting for decodes while at most `disable_spec_above`
         sequences run (None: always). `connector`: disaggregation's KV connector (scheduler side)."""
@@ -121,6 +125,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_set = frozenset(eos_token_ids)
         self.num_scheduler_steps = num_scheduler_steps
+        self.stream_loops = stream_loops
+        self.num_steps_made = 0
         self.proposer = proposer
         self.disable_spec_above = disable_spec_above
         self.spec_stats = SpecDecodingStats(proposer.k) if proposer is not None else None
@@ -290,16 +296,16 @@ class Scheduler:
 
     def _decode_steps(self, scheduled: list[tuple[Sequence, int]]) -> int:
         """How many decode steps to run in one jitted loop: num_scheduler_steps when the batch is
-        decode-only, nothing waits, no sequence needs penalties or a token mask or streams (output
-        kind "delta", as the server's streams: each token reaches the client as it is made, not in
-        a loop's burst), and the pool has the blocks."""
+        decode-only, nothing waits, no sequence needs penalties or a token mask, and the pool has the
+        blocks. A stream (output kind "delta") loops only when the loop's tokens are streamed as they
+        are made: otherwise a loop's burst would reach it."""
         k = self.num_scheduler_steps
         if k == 1 or self.waiting or any(n != 1 for _, n in scheduled):
             return 1
         if any(
             s.params.uses_penalties
             or s.matcher is not None
-            or s.params.output_kind == "delta"
+            or (s.params.output_kind == "delta" and not self._streams_in_loop(s))
             or len(s.params.stop_token_ids) > MAX_BANNED_STOP_IDS
             for s, _ in scheduled
         ):
@@ -308,6 +314,11 @@ class Scheduler:
             if not self.bm.allocate_slots(s, min(k, self.budget(s))):
                 return 1
         return k
+
+    def _streams_in_loop(self, seq: Sequence) -> bool:
+        """A loop streams this sequence's tokens as made: with `stream_loops`, for tokens without
+        logprobs, past its first (which comes with the step's results, as a first output's details)."""
+        return self.stream_loops and seq.params.logprobs is None and seq.num_computed_tokens >= seq.prompt_len
 
     def _output(
         self, scheduled: list[tuple[Sequence, int]], preempted: list[Sequence], drafts: dict[int, list[int]]
@@ -327,7 +338,9 @@ class Scheduler:
             preempted,
             self.finished_ids,
             num_steps,
+            step_id=self.num_steps_made,
         )
+        self.num_steps_made += n > 0  # empty outputs are not dispatched: the numbers stay contiguous
         self.finished_ids = []
         self.drafted = bool(drafts)
         if drafts and self.proposer is not None:

@@ -1,7 +1,8 @@
 """What guidellm's OpenAI HTTP backend sends and reads, with plain httpx: GET /health, the model from
 /v1/models' first card, then streamed /v1/completions with stream_options {include_usage,
 continuous_usage_stats}, ignore_eos and max_tokens, several at once; it reads `text` of choices[0],
-the usage of every chunk (the last one it saw is its token count) and stops at `data: [DONE]`."""
+the usage of every chunk (the last one it saw is its token count) and stops at `data: [DONE]`.
+The server runs decode loops, whose tokens must still arrive one per chunk."""
 
 import asyncio
 import json
@@ -10,17 +11,22 @@ import httpx
 import pytest
 from server_helpers import running_server
 
-MAX_TOKENS = 12
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64) as (url, _app):
+    """With 8-step decode loops: their tokens still reach each stream one chunk at a time."""
+    with running_server(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=8) as (
+        url,
+        _app,
+    ):
         yield url
 
 
-async def guidellm_request(client: httpx.AsyncClient, url: str, model: str, prompt: str) -> list[dict]:
+async def guidellm_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, **extra: object) -> list[dict]:
     body = {
+        **extra,
         "model": model,
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
@@ -61,3 +67,22 @@ def test_guidellm_streams_finish_with_usage_on_every_chunk(server):
         assert all(isinstance(c["choices"][0]["text"], str) for c in content)
         (prompt_tokens,) = {c["usage"]["prompt_tokens"] for c in chunks}
         assert all(c["usage"]["total_tokens"] == c["usage"]["completion_tokens"] + prompt_tokens for c in chunks)
+
+
+def test_decode_loop_tokens_arrive_one_per_chunk(server):
+    """With token ids asked for (so no chunk waits for text to complete a character), every chunk of
+    every stream carries exactly one new token, the last one with the finish reason."""
+    model = httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+
+    async def run() -> list[list[dict]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            prompts = [f"stream {i}" for i in range(4)]
+            return await asyncio.gather(
+                *(guidellm_request(client, server, model, p, return_token_ids=True) for p in prompts)
+            )
+
+    for chunks in asyncio.run(run()):
+        content = chunks[:-1]
+        assert [len(c["choices"][0]["token_ids"]) for c in content] == [1] * MAX_TOKENS
+        assert [c["usage"]["completion_tokens"] for c in content] == list(range(1, MAX_TOKENS + 1))
+        assert [c["choices"][0]["finish_reason"] for c in content] == [None] * (MAX_TOKENS - 1) + ["length"]

@@ -1,7 +1,7 @@
 """The app factory: error handlers, middleware and each serving class's routes over one AsyncEngine.
 
 A new endpoint is a serving class (serving_base.OpenAIServing) added to SERVING_CLASSES; new
-middleware is a factory added to middleware.MIDDLEWARE.
+middleware is a pure ASGI class added to middleware.MIDDLEWARE.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def build_app(
     app.state.server = state
     add_error_handlers(app)
     for middleware in MIDDLEWARE:
-        app.middleware("http")(middleware(state))
+        app.add_middleware(middleware, state=state)
     app.add_middleware(
         AuthMiddleware, keys=state.keys, open_paths=OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
     )

@@ -5,6 +5,7 @@ multi-step decode loop."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,6 +45,8 @@ class DeviceStep:
     max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     num_compilations: int = 0
+    # called in each decode loop iteration with [step id, iteration, S tokens (-1: none), S stop codes]
+    loop_tap: Callable[[jax.Array], None] | None = None
 
     def _traced(self) -> None:
         self.num_compilations += 1  # runs only while tracing: counts compilations
@@ -181,14 +184,16 @@ class DeviceStep:
         return out, self._padded(out.tokens)
 
     def multi(self, state, caches, buffers, prev_tokens, *, layout, num_steps):
-        """The decode loop (its per-row budgets packed after the inputs)."""
+        """The decode loop (its per-row budgets and the step id packed after the inputs)."""
         self._traced()
-        inputs, sampling, budget = unpack(buffers, layout)
-        return self._sharded(self._decode_loop, state, caches, inputs, sampling, prev_tokens, budget, num_steps)
+        inputs, sampling, budget, step_id = unpack(buffers, layout)
+        args = (state, caches, inputs, sampling, prev_tokens, budget, step_id, num_steps)
+        return self._sharded(self._decode_loop, *args)
 
-    def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, num_steps):
+    def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, step_id, num_steps):
         """Up to num_steps decode steps; a row stops by the host's stop rule (`stops`) or at its budget,
-        and the loop ends early once every row has stopped. Tokens [K, S], -1 where none, each row's
+        and the loop ends early once every row has stopped; each iteration's tokens go to `loop_tap`
+        as they are made, when set. Tokens [K, S], -1 where none, each row's
         last token (padded to max_num_seqs: what the next step feeds from the device) and, for an MoE
         model, the token copies each expert took over the loop."""
         model, stack = self._model(state)
@@ -210,7 +215,11 @@ class DeviceStep:
             out = sample(model.logits(h[0]), t, eos_ids=self.eos_token_ids)
             is_eos = jnp.any(out.tokens[:, None] == eos[None, :], axis=1)
             is_stop_id = jnp.any(out.tokens[:, None] == t.stop_ids, axis=1)
-            stopped = stops(is_eos, is_stop_id, t.out_pos + 1, t.min_tokens, ~t.ignore_eos) | (i + 1 >= budget)
+            by_rule = active & stops(is_eos, is_stop_id, t.out_pos + 1, t.min_tokens, ~t.ignore_eos)
+            stopped = by_rule | (i + 1 >= budget)
+            if self.loop_tap is not None:  # per row: its token (-1: none), how it stopped (1: EOS, 2: a stop id)
+                how = jnp.where(by_rule, jnp.where(is_eos & ~t.ignore_eos, 1, 2), 0)
+                self.loop_tap(jnp.concatenate([step_id, i[None], jnp.where(active, out.tokens, -1), how]))
             acc = jax.tree.map(
                 lambda a, x: a.at[i].set(x),
                 acc,

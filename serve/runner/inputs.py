@@ -60,14 +60,14 @@ class StepBatch:
 class InputBuilder:
     """Builds a StepBatch from a SchedulerOutput over the persistent batch (`slots`), padded to the
     step's buckets: decode-only batches to a sequence bucket, batches with a prompt chunk to a token
-    bucket over every sequence slot; block tables to a width bucket."""
+    bucket and a (coarser) row bucket; block tables to a width bucket."""
 
     slots: SlotTable
     block_size: int
-    max_num_seqs: int
     max_model_len: int
     token_buckets: list[int]
     seq_buckets: list[int]
+    mixed_seq_buckets: list[int]
     width_buckets: list[int]
     attn_impl: str
     kernel_shape: tuple[int, int, bool]  # the Pallas kernel's (query heads per KV head, head dim, quantized KV)
@@ -91,8 +91,8 @@ class InputBuilder:
         counts, starts, pending, num_tokens = sched.num_new, sched.num_computed, sched.num_pending, sched.num_tokens
         n_tok = int(counts.sum())
         decode_only = int(counts.max(initial=0)) <= 1
-        # Decodes: one token per sequence slot; batches with a prompt chunk: token buckets, every sequence slot.
-        sb = fit(n_seq, self.seq_buckets) if decode_only else self.max_num_seqs
+        # Decodes: one token per sequence slot; batches with a prompt chunk: a token bucket and a row bucket.
+        sb = fit(n_seq, self.seq_buckets if decode_only else self.mixed_seq_buckets)
         tb = sb if decode_only else fit(n_tok, self.token_buckets)
         cu = np.zeros(sb + 1, np.int32)
         np.cumsum(counts, out=cu[1 : n_seq + 1])

@@ -23,12 +23,12 @@ from jaxinfra.models.llama import layer_graph, stack_layers
 from pallas_kernels import PagedKVCache, paged_head_dim, paged_impl
 from pallas_kernels.kv_quant import is_quantized_kv
 from serve.config import kv_storage_dtype
-from serve.host_transfer import pack
+from serve.host_transfer import Layout, pack
 from serve.runner.batch import SlotTable
 from serve.runner.device_step import DeviceStep
 from serve.runner.inflight import InFlight
 from serve.runner.inputs import InputBuilder, StepBatch
-from serve.runner.sizing import buckets
+from serve.runner.sizing import buckets, fit
 from serve.scheduler import SchedulerOutput
 from serve.spec_decode.draft_model import DraftModelRunner
 from serve.spec_decode.verify_batch import verify_arrays
@@ -129,6 +129,8 @@ class ModelRunner:
             )
         self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
         self.seq_buckets = buckets(max_num_seqs, 1)
+        # Rows of a step with a prompt chunk: coarser, since each pairs with the token buckets
+        self.mixed_seq_buckets = buckets(max_num_seqs, min(16, max_num_seqs), factor=4)
         # Block-table columns (both attention implementations read only the pages a batch uses); below
         # 16 pages a narrower table saves less than its compiled shapes cost at start-up.
         self.width_buckets = buckets(self.max_blocks, min(16, self.max_blocks), factor=4)
@@ -137,10 +139,10 @@ class ModelRunner:
         self.inputs = InputBuilder(
             self.slots,
             block_size,
-            max_num_seqs,
             max_model_len,
             self.token_buckets,
             self.seq_buckets,
+            self.mixed_seq_buckets,
             self.width_buckets,
             self.attn_impl,
             (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
@@ -174,10 +176,15 @@ class ModelRunner:
         self.free_rows(sched)
         return self.inputs.prepare(sched)
 
+    @staticmethod
+    def _loop_buffers(batch: StepBatch) -> tuple[dict[str, np.ndarray], Layout]:
+        """A decode loop's packed inputs: the step's, each row's budget and the step id."""
+        return pack((batch.inputs, batch.sampling, batch.budget, np.array([batch.sched.step_id], np.int32)))
+
     def dispatch(self, batch: StepBatch) -> InFlight:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
         if batch.budget is not None:
-            buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
+            buffers, layout = self._loop_buffers(batch)
             out, self.prev_tokens, self.kv_cache, load = self._multi(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
             )
@@ -217,7 +224,7 @@ class ModelRunner:
     def compiled_text(self, batch: StepBatch) -> str:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
         if batch.budget is not None:
-            buffers, layout = pack((batch.inputs, batch.sampling, batch.budget))
+            buffers, layout = self._loop_buffers(batch)
             lowered = self._multi.lower(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
             )
@@ -231,9 +238,17 @@ class ModelRunner:
     # --- warm-up ----------------------------------------------------------------------------------
     def shapes(self) -> list[tuple[int, int, int, int]]:
         """Every (tokens, sequences, block-table width, max_q_len) a step can have: decode-only
-        batches (one token per sequence bucket slot) and batches with a prompt chunk."""
+        batches (one token per sequence bucket slot) and batches with a prompt chunk (a token bucket,
+        and a row bucket up to the one holding as many rows as it has tokens)."""
         decode = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
-        return decode + [(tb, self.max_num_seqs, w, tb) for tb in self.token_buckets for w in self.width_buckets]
+        mixed = [
+            (tb, sb, w, tb)
+            for tb in self.token_buckets
+            for sb in self.mixed_seq_buckets
+            if sb <= fit(min(tb, self.max_num_seqs), self.mixed_seq_buckets)
+            for w in self.width_buckets
+        ]
+        return decode + mixed
 
     def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         """An empty batch of the given shape (what warm-up compiles)."""

@@ -1,0 +1,179 @@
+"""A decode loop's tokens reach streams as the loop makes them, each its own output.
+
+The loop hands each iteration's tokens and stop codes to the host through a device tap; a sender
+thread, the only one that sends the core's messages, turns them into one-token outputs, a row's last
+with its finish reason (the same rule as the host's, so a stream ends with its last token, not when
+the loop does). Order is kept by holding a
+step's tokens until every earlier step's results went out (so a token never overtakes the one
+before it, and rows that finished earlier are dropped), and by removing from a step's results the
+tokens already streamed. Everything goes through one queue, so the sender sees the events in the
+order they happened: a step registered before it is dispatched, its taps before its results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax.experimental.buffer_callback import buffer_callback
+
+from serve.core_types import EngineCoreOutput, EngineCoreOutputs
+
+# A streamed row: (request id, sequence index, the loop token that ends it by max_tokens or max_model_len,
+# 0 if none), None for one that is not streamed
+Row = tuple[str, int, int] | None
+_STOP = object()
+
+
+def device_tap(fn: Callable[[np.ndarray], None]) -> Callable[[jax.Array], None]:
+    """A traced op handing its int32 vector to `fn` on the host each time it runs: on CPU a buffer
+    callback reading the buffer in place (~30 us a call, io_callback costs ~100-250 us), elsewhere
+    an io_callback (the vector copied to the host)."""
+
+    def on_cpu(x: jax.Array) -> None:
+        def call(ctx, out, arr) -> None:
+            fn(np.asarray(arr).copy())  # the buffer lives only during the call
+
+        buffer_callback(call, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(x)
+
+    def elsewhere(x: jax.Array) -> None:
+        io_callback(lambda arr: fn(np.asarray(arr)), None, x, ordered=False)
+
+    return on_cpu if jax.default_backend() == "cpu" else elsewhere
+
+
+@dataclasses.dataclass
+class _Step:
+    rows: list[Row] | None  # a decode loop's streamed rows; None for a step that streams nothing
+    seen: set[int] = dataclasses.field(default_factory=set)  # loop iterations received (a TP step taps per device)
+    held: list[np.ndarray] = dataclasses.field(default_factory=list)  # iterations waiting for earlier results
+    sent: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)  # tokens streamed per row
+    ended: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # rows whose finish was streamed
+
+
+class LoopTokenStream:
+    """The core process's sender: every message leaves through `send`, called from one thread."""
+
+    def __init__(self, send: Callable[[EngineCoreOutputs], None]) -> None:
+        self._send = send
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._steps: dict[int, _Step] = {}  # dispatched, results not yet sent (ids ascending)
+        self._done = -1  # the last step id whose results were sent
+        self._finished: set[tuple[str, int]] = set()  # rows the last results finished
+        self._thread = threading.Thread(target=self._run, name="core-output", daemon=True)
+        self._thread.start()
+
+    # --- called by the core's threads -------------------------------------------------------------
+    def register(self, step_id: int, rows: list[Row] | None) -> None:
+        """A step about to be dispatched (every step, in order): a loop with its streamed rows, or None."""
+        self._queue.put(("register", step_id, rows))
+
+    def tap(self, values: np.ndarray) -> None:
+        """The device tap's callback: [step id, loop iteration, S tokens (-1: none), S stop codes]."""
+        self._queue.put(("tap", values))
+
+    def results(self, msg: EngineCoreOutputs, applied: int) -> None:
+        """A step's message carrying the results of every step up to `applied` (-1: none yet)."""
+        self._queue.put(("results", msg, applied))
+
+    def send(self, msg: EngineCoreOutputs) -> None:
+        """Any other message (stats while idle, a utility call's answer)."""
+        self._queue.put(("send", msg))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the sender."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    # --- the sender thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while (event := self._queue.get()) is not _STOP:
+                kind, *args = event
+                getattr(self, f"_on_{kind}")(*args)
+        except BaseException:  # the frontend must see a dead core, not a silent one
+            traceback.print_exc(file=sys.stderr)
+            os._exit(1)
+
+    def _on_register(self, step_id: int, rows: list[Row] | None) -> None:
+        self._steps[step_id] = _Step(rows)
+
+    def _on_send(self, msg: EngineCoreOutputs) -> None:
+        self._send(msg)
+
+    def _on_tap(self, values: np.ndarray) -> None:
+        step_id, i = int(values[0]), int(values[1])
+        step = self._steps.get(step_id)
+        if step is None or step.rows is None or i in step.seen:
+            return
+        step.seen.add(i)
+        if step_id == self._done + 1:
+            self._stream(step, values[2:])
+        else:
+            step.held.append(values[2:])
+
+    def _stream(self, step: _Step, values: np.ndarray) -> None:
+        """One iteration's tokens, a one-token output per row; a row's last says how it finished:
+        stop code 1 (EOS: no stop reason) or 2 (a stop id: the reason), or its length token."""
+        assert step.rows is not None
+        s = len(values) // 2
+        outputs = []
+        for row, token, how in zip(step.rows, values[:s].tolist(), values[s:].tolist()):
+            if token < 0 or row is None or row[:2] in self._finished:
+                continue
+            out = EngineCoreOutput(row[0], row[1], [token])
+            n = step.sent[row[:2]] = step.sent.get(row[:2], 0) + 1
+            if how:
+                out.finish_reason, out.stop_reason = "stop", None if how == 1 else token
+            elif n == row[2]:
+                out.finish_reason = "length"
+            if out.finish_reason is not None:
+                step.ended.add(row[:2])
+            outputs.append(out)
+        if outputs:
+            self._send(EngineCoreOutputs(outputs=outputs))
+
+    def _on_results(self, msg: EngineCoreOutputs, applied: int) -> None:
+        if applied > self._done:
+            streamed: dict[tuple[str, int], int] = {}
+            ended: set[tuple[str, int]] = set()
+            for step_id in range(self._done + 1, applied + 1):
+                step = self._steps.pop(step_id, _Step(None))
+                ended |= step.ended
+                for row, n in step.sent.items():
+                    streamed[row] = streamed.get(row, 0) + n
+            self._finished = {(o.request_id, o.index) for o in msg.outputs if o.finish_reason is not None}
+            msg.outputs = [o for o in msg.outputs if _trim(o, streamed.get((o.request_id, o.index), 0), ended)]
+            self._done = applied
+        self._send(msg)
+        following = self._steps.get(self._done + 1)
+        if following is not None:
+            for values in following.held:
+                self._stream(following, values)
+            following.held.clear()
+
+
+def _trim(out: EngineCoreOutput, streamed: int, ended: set[tuple[str, int]]) -> bool:
+    """Drop the first `streamed` tokens (already sent one by one) and a finish already sent; False if
+    nothing is left to say."""
+    if streamed:
+        del out.new_token_ids[:streamed]
+        if out.new_logprobs is not None:
+            del out.new_logprobs[:streamed]
+    if (out.request_id, out.index) in ended:
+        out.finish_reason = out.stop_reason = None
+    return bool(
+        out.new_token_ids
+        or out.finish_reason is not None
+        or out.first_scheduled is not None
+        or out.kv_transfer_params is not None
+    )

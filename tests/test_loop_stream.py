@@ -1,0 +1,152 @@
+"""A decode loop's tokens stream one by one as the loop makes them (serve.loop_stream): in order,
+never ahead of an earlier step's results, never for rows that finished, never twice; and an engine
+core driven as its process drives it gives streams the same tokens as single steps, one per output."""
+
+import dataclasses
+
+import numpy as np
+from serve_helpers import engine, prompts
+
+from serve import SamplingParams
+from serve.core_types import EngineCoreOutput, EngineCoreOutputs
+from serve.loop_stream import LoopTokenStream
+
+
+def out(rid: str, tokens: list[int], finish: str | None = None) -> EngineCoreOutput:
+    return EngineCoreOutput(rid, 0, tokens, finish_reason=finish)
+
+
+def said(msgs: list[EngineCoreOutputs]) -> list[list[tuple[str, list[int], str | None]]]:
+    return [[(o.request_id, o.new_token_ids, o.finish_reason) for o in m.outputs] for m in msgs]
+
+
+def test_loop_tokens_wait_for_earlier_results_and_skip_finished_rows():
+    msgs: list[EngineCoreOutputs] = []
+    stream = LoopTokenStream(msgs.append)
+    stream.register(0, None)  # a step with a prompt
+    # a loop dispatched behind it: a ends by length at its 3rd token, b runs on, row 3 makes a first token
+    stream.register(1, [("a", 0, 3), ("b", 0, 0), None])
+    stream.tap(np.array([1, 0, 11, 21, 99, 0, 0, 0]))  # before step 0's results went out: held
+    stream.tap(np.array([1, 0, 11, 21, 99, 0, 0, 0]))  # the same iteration from a second device: dropped
+    stream.results(EngineCoreOutputs(outputs=[out("a", [10]), out("b", [20], "stop")]), 0)
+    stream.tap(np.array([1, 1, 12, 22, 98, 0, 0, 0]))
+    stream.tap(np.array([1, 2, 13, -1, 97, 0, 0, 0]))  # a's last; -1: b's row has stopped on the device
+    stream.results(EngineCoreOutputs(outputs=[out("a", [11, 12, 13], "length"), out("c", [99, 98, 97])]), 1)
+    stream.close()
+    assert said(msgs) == [
+        [("a", [10], None), ("b", [20], "stop")],
+        [("a", [11], None)],  # b finished in step 0: the loop's tokens for it are not its own
+        [("a", [12], None)],
+        [("a", [13], "length")],  # the stream ends with its last token
+        [("c", [99, 98, 97], None)],  # streamed tokens and finish removed from the results
+    ]
+
+
+def test_stop_codes_finish_streams_as_the_host_would():
+    """Stop code 1 (EOS) finishes with no stop reason, 2 (a stop id) with the token as the reason."""
+    msgs: list[EngineCoreOutputs] = []
+    stream = LoopTokenStream(msgs.append)
+    stream.register(0, [("e", 0, 0), ("s", 0, 0), ("x", 0, 0)])
+    stream.tap(np.array([0, 0, 5, 6, 7, 0, 0, 0]))
+    stream.tap(np.array([0, 1, 2, 9, 8, 1, 2, 0]))
+    stream.results(EngineCoreOutputs(outputs=[out("e", [5, 2], "stop"), out("s", [6, 9], "stop"), out("x", [7, 8])]), 0)
+    stream.close()
+    stop_reasons = [o.stop_reason for o in msgs[1].outputs]
+    assert said(msgs) == [
+        [("e", [5], None), ("s", [6], None), ("x", [7], None)],
+        [("e", [2], "stop"), ("s", [9], "stop"), ("x", [8], None)],
+        [],  # the results had nothing new to say (a real one still carries the stats)
+    ]
+    assert stop_reasons == [None, 9, None]
+
+
+def test_results_of_several_steps_at_once_keep_their_held_tokens():
+    """A step that had to wait for every earlier result (a sync) sends two steps' results together:
+    the tokens held for the second are in them, and are not streamed after."""
+    msgs: list[EngineCoreOutputs] = []
+    stream = LoopTokenStream(msgs.append)
+    stream.register(0, None)
+    stream.register(1, [("a", 0, 0)])
+    stream.tap(np.array([1, 0, 5, 0]))
+    stream.tap(np.array([1, 1, 6, 0]))
+    stream.register(2, [("a", 0, 1)])
+    stream.results(EngineCoreOutputs(outputs=[out("a", [4, 5, 6])]), 1)
+    stream.tap(np.array([2, 0, 7, 0]))
+    stream.send(EngineCoreOutputs())  # an idle message in between keeps its place
+    stream.results(EngineCoreOutputs(outputs=[out("a", [7], "length")]), 2)
+    stream.close()
+    assert said(msgs) == [[("a", [4, 5, 6], None)], [("a", [7], "length")], [], []]
+
+
+def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
+    """Driven as the core process drives it: streams (output kind "delta") run 8-step loops now, and
+    every output carries one token; tokens, finish reasons and stop ids are single steps' own.
+    Requests arrive while others run, stop on a stop id, sample two sequences, ask for logprobs."""
+    ps = prompts([5, 9, 30, 12, 7], seed=3)
+    base = SamplingParams(temperature=0.0, max_tokens=30, output_kind="delta")
+    probe = engine(num_scheduler_steps=1)  # the stop id: a token the "stop" prompt makes after a few steps
+    probe.core.add_request(probe.input_processor.process("probe", ps[2], base))
+    made: list[int] = []
+    while probe.core.has_work():
+        for o in probe.core.step():
+            made += o.new_token_ids
+    params = {
+        "plain": base,
+        "n2": SamplingParams(temperature=0.0, max_tokens=20, n=2),
+        "stop": dataclasses.replace(base, stop_token_ids=[made[6]]),
+        "logprobs": dataclasses.replace(base, max_tokens=6, logprobs=2),
+        "late": dataclasses.replace(base, max_tokens=17),
+    }
+
+    def requests(eng):
+        return [eng.input_processor.process(rid, p, params[rid]) for rid, p in zip(params, ps)]
+
+    singles = engine(num_scheduler_steps=1)
+    reference: dict[tuple[str, int], list[int]] = {}
+    finish: dict[tuple[str, int], str] = {}
+    for msg in _drive(singles.core, requests(singles), None):
+        for o in msg.outputs:
+            reference.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+            if o.finish_reason:
+                finish[(o.request_id, o.index)] = o.finish_reason
+
+    looped = engine(num_scheduler_steps=8)
+    msgs: list[EngineCoreOutputs] = []
+    stream = LoopTokenStream(msgs.append)
+    looped.core.stream_loops(stream)
+    loops = []
+    dispatch = looped.core.runner.dispatch
+    looped.core.runner.dispatch = lambda batch: loops.append(batch.sched.num_steps) or dispatch(batch)
+    _drive(looped.core, requests(looped), stream)
+    got: dict[tuple[str, int], list[int]] = {}
+    got_finish: dict[tuple[str, int], str] = {}
+    for msg in msgs:
+        for o in msg.outputs:
+            key = (o.request_id, o.index)
+            assert key not in got_finish, f"{key} got an output after it finished"
+            got.setdefault(key, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                got_finish[key] = o.finish_reason
+            assert len(o.new_token_ids) <= 1, (key, o.new_token_ids)
+            assert o.new_token_ids or not o.finish_reason, f"{key}'s finish came after its last token"
+    assert got == reference and got_finish == finish
+    assert finish[("stop", 0)] == "stop" and reference[("stop", 0)][-1] == made[6]
+    assert max(loops) == 8  # streams looped
+
+
+def _drive(core, requests, stream: LoopTokenStream | None) -> list[EngineCoreOutputs]:
+    """The core process's loop: one request joins per step at first, the last one later."""
+    sent: list[EngineCoreOutputs] = []
+    arrivals = {0: requests[:1], 1: requests[1:2], 2: requests[2:4], 12: requests[4:]}
+    step = 0
+    while core.has_work() or any(s >= step for s in arrivals):
+        for req in arrivals.get(step, []):
+            core.add_request(req)
+        msg = EngineCoreOutputs(outputs=core.step() if core.has_work() else [])
+        if stream is not None:
+            stream.results(msg, core.applied_step)
+        sent.append(msg)
+        step += 1
+    if stream is not None:
+        stream.close()
+    return sent

@@ -119,7 +119,7 @@ class EngineCore:
         (before warm-up: the loop is traced with its tap)."""
         self.loop_stream = stream
         self.scheduler.stream_loops = True
-        self.runner.device.loop_tap = device_tap(stream.tap)
+        self.runner.device.loop_tap = device_tap(stream.tap, self.runner.device.mesh)
 
     @staticmethod
     def _draft_model(spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 from jax.experimental.buffer_callback import buffer_callback
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from serve.core_types import EngineCoreOutput, EngineCoreOutputs
 
@@ -34,10 +35,10 @@ Row = tuple[str, int, int] | None
 _STOP = object()
 
 
-def device_tap(fn: Callable[[np.ndarray], None]) -> Callable[[jax.Array], None]:
-    """A traced op handing its int32 vector to `fn` on the host each time it runs: on CPU a buffer
-    callback reading the buffer in place (~30 us a call, io_callback costs ~100-250 us), elsewhere
-    an io_callback (the vector copied to the host)."""
+def device_tap(fn: Callable[[np.ndarray], None], mesh: Mesh | None = None) -> Callable[[jax.Array], None]:
+    """A traced op handing its int32 vector to `fn` on the host each time it runs: on one CPU device
+    a buffer callback reading the buffer in place (~30 us a call, io_callback costs ~100-250 us),
+    otherwise an io_callback (the vector copied to the host), run by `mesh`'s first device."""
 
     def on_cpu(x: jax.Array) -> None:
         def call(ctx, out, arr) -> None:
@@ -46,9 +47,10 @@ def device_tap(fn: Callable[[np.ndarray], None]) -> Callable[[jax.Array], None]:
         buffer_callback(call, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(x)
 
     def elsewhere(x: jax.Array) -> None:
-        io_callback(lambda arr: fn(np.asarray(arr)), None, x, ordered=False)
+        device = None if mesh is None else SingleDeviceSharding(mesh.devices.flat[0])
+        io_callback(lambda arr: fn(np.asarray(arr)), None, x, ordered=False, sharding=device)
 
-    return on_cpu if jax.default_backend() == "cpu" else elsewhere
+    return on_cpu if jax.default_backend() == "cpu" and mesh is None else elsewhere
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ name the flag, and the server on 2 CPU devices with tensor parallelism and an in
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -114,13 +115,16 @@ def test_an_unknown_flag_is_an_error_naming_it(argv, message, capsys):
 @pytest.mark.slow
 def test_serve_tensor_parallel_2_with_int8_kv_on_two_cpu_devices(tmp_path):
     """`jaxinfra serve --tensor-parallel-size 2 --kv-cache-dtype int8` on 2 virtual CPU devices answers
-    with the greedy tokens of the one-device engine with the same int8 KV cache."""
+    with the greedy tokens of the one-device engine with the same int8 KV cache; with decode loops
+    (`--num-scheduler-steps 4`) a stream of them comes one token a chunk (the loop's tap runs once,
+    on the first device)."""
     prompt = [5, 17, 300, 42, 7, 99]
     expected = run(engine(kv_cache_dtype="int8"), {0: [("r", prompt, GREEDY)]})["r"].outputs[0].token_ids
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [*argv_for(ENGINE_DEFAULTS), "--tensor-parallel-size", "2", "--kv-cache-dtype", "int8"]
+    argv += ["--num-scheduler-steps", "4"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     command = [sys.executable, "-m", "jaxinfra", "serve", *argv, "--no-warmup", "--port", str(port)]
     log = tmp_path / "serve.log"
@@ -139,6 +143,13 @@ def test_serve_tensor_parallel_2_with_int8_kv_on_two_cpu_devices(tmp_path):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={**body, "return_token_ids": True}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == expected
+        chunks = []
+        stream = {**body, "return_token_ids": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=stream, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[len("data: ") :])["choices"][0]["token_ids"])
+        assert chunks == [[t] for t in expected]
     finally:
         proc.terminate()
         proc.wait(30)

@@ -84,11 +84,11 @@ def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
     Requests arrive while others run, stop on a stop id, sample two sequences, ask for logprobs."""
     ps = prompts([5, 9, 30, 12, 7], seed=3)
     base = SamplingParams(temperature=0.0, max_tokens=30, output_kind="delta")
-    probe = engine(num_scheduler_steps=1)  # the stop id: a token the "stop" prompt makes after a few steps
-    probe.core.add_request(probe.input_processor.process("probe", ps[2], base))
-    made: list[int] = []
-    while probe.core.has_work():
-        for o in probe.core.step():
+    singles = engine(num_scheduler_steps=1)
+    singles.core.add_request(singles.input_processor.process("probe", ps[2], base))  # the stop id: a token
+    made: list[int] = []  # the "stop" prompt makes after a few steps
+    while singles.core.has_work():
+        for o in singles.core.step():
             made += o.new_token_ids
     params = {
         "plain": base,
@@ -101,7 +101,6 @@ def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
     def requests(eng):
         return [eng.input_processor.process(rid, p, params[rid]) for rid, p in zip(params, ps)]
 
-    singles = engine(num_scheduler_steps=1)
     reference: dict[tuple[str, int], list[int]] = {}
     finish: dict[tuple[str, int], str] = {}
     for msg in _drive(singles.core, requests(singles), None):

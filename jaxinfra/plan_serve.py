@@ -178,8 +178,9 @@ def plan(
 ) -> ServePlan:
     """The plan for engine arguments `args` on `device`; `weights`: the bytes of a quantized checkpoint
     (default: the model's weights as `args.quantization` leaves them)."""
+    from jaxinfra.loading import load_config
     from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, step_workspace_bytes
-    from serve.runner import num_blocks_for_memory
+    from serve.runner.sizing import kv_block_bytes
 
     tp = args.tensor_parallel_size
     if cfg.num_kv_heads % tp:
@@ -187,12 +188,16 @@ def plan(
     if args.quantization and weights is None and cfg.num_experts:
         raise ValueError(f"quantization {args.quantization} rounds dense MLPs, not {cfg.model_type}'s experts")
     weights = weight_bytes(cfg, args.quantization) if weights is None else weights
+    spec = args.speculative()
+    draft = load_config(spec.model) if spec is not None and spec.method == "draft_model" and spec.model else None
+    if draft is not None:  # its weights, and its KV pool of as many blocks, share the device
+        weights += weight_bytes(draft)
     utilization = args.gpu_memory_utilization
     limit = device.allocator_limit(utilization)
     usable = None if limit is None or device.total is None else min(limit, int(device.total * utilization))
     step_tokens = step_token_budget(args, engine_max_model_len(cfg, args))
     workspace = step_workspace_bytes(cfg, step_tokens, args.max_num_seqs, tp)
-    num_blocks = kv_cache_blocks(cfg, args, step_tokens, usable, weights)
+    num_blocks = kv_cache_blocks(cfg, args, step_tokens, usable, weights, draft)
     notes = []
     if num_blocks < 1:
         where = (
@@ -201,9 +206,8 @@ def plan(
             else f"{device.name} after {weights // tp:,} B of weights and {workspace:,} B of step workspace per device"
         )
         raise ValueError(f"{model} does not fit: no KV block fits in what {where} leaves")
-    # bytes of one block: the engine's formula asked how many blocks a huge memory holds
-    probe = 1 << 60
-    block_bytes = probe // num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, probe, args.attn_impl)
+    models = [cfg] if draft is None else [cfg, draft]
+    block_bytes = sum(kv_block_bytes(m, args.block_size, args.kv_cache_dtype, args.attn_impl) for m in models)
     per_token = math.ceil(block_bytes / args.block_size)
     tokens = num_blocks * args.block_size
     len_limit = min(tokens, cfg.max_position_embeddings)

@@ -60,7 +60,11 @@ class EngineCore:
                 f"EngineArgs.expert_parallel_size ({ep}) must divide the model's num_experts ({cfg.num_experts})"
             )
         budget = step_token_budget(args, self.max_model_len)
-        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget)
+        spec = args.speculative()
+        if spec is not None and spec.method == "eagle":
+            raise ValueError("EngineArgs.speculative_config.method 'eagle' is not served yet (ngram, draft_model are)")
+        draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
+        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget, draft)
         if num_blocks * args.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
@@ -69,10 +73,6 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
         self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        spec = args.speculative()
-        draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
-        if spec is not None and spec.method == "eagle":
-            raise ValueError("EngineArgs.speculative_config.method 'eagle' is not served yet (ngram, draft_model are)")
         proposer = (NgramProposer(spec) if draft is None else DraftSlots(spec.num_speculative_tokens)) if spec else None
         kv_transfer = args.kv_transfer()
         connector = kv_transfer.connector(args.block_size) if kv_transfer is not None else None
@@ -132,15 +132,18 @@ class EngineCore:
         return load_model(spec.model, dtype, attn_impl=args.attn_impl)
 
     @staticmethod
-    def _blocks_from_memory(model: LlamaModel, args: EngineArgs, step_tokens: int) -> int:
-        """KV blocks for this device's memory (what is in use now: the weights, all on the first
-        device until the runner shards them)."""
+    def _blocks_from_memory(
+        model: LlamaModel, args: EngineArgs, step_tokens: int, draft: LlamaModel | None = None
+    ) -> int:
+        """KV blocks for this device's memory (what is in use now: the weights, the draft's too, all
+        on the first device until the runner shards them); a draft's pool shares the budget."""
         device = jax.devices()[0]
+        draft_cfg = None if draft is None else draft.cfg
         if device.platform == "gpu" and args.kv_cache_memory is None:
             stats = device.memory_stats()
             usable = usable_bytes(stats["bytes_limit"], args.gpu_memory_utilization, xla_mem_fraction())
-            return kv_cache_blocks(model.cfg, args, step_tokens, usable, stats["bytes_in_use"])
-        return kv_cache_blocks(model.cfg, args, step_tokens)
+            return kv_cache_blocks(model.cfg, args, step_tokens, usable, stats["bytes_in_use"], draft_cfg)
+        return kv_cache_blocks(model.cfg, args, step_tokens, draft=draft_cfg)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:

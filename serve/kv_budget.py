@@ -78,13 +78,15 @@ def kv_cache_blocks(
     step_tokens: int,
     usable: int | None = None,
     weight_bytes: int = 0,
+    draft: ModelConfig | None = None,
 ) -> int:
     """Blocks of the KV pool (each device holds its 1/TP of every block's heads):
     `args.kv_cache_memory` bytes per device (256 MiB off GPU by default), else `usable` bytes per
-    device less the weights' share (`weight_bytes` in all) and one step's workspace."""
+    device less the weights' share (`weight_bytes` in all) and one step's workspace. A `draft`
+    model's pool (as many blocks) comes out of the same bytes."""
     tp = args.tensor_parallel_size
     if args.kv_cache_memory is not None or usable is None:
         memory = args.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
     else:
         memory = usable - weight_bytes // tp - step_workspace_bytes(cfg, step_tokens, args.max_num_seqs, tp)
-    return num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, memory, args.attn_impl, tp)
+    return num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, memory, args.attn_impl, tp, draft)

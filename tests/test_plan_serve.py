@@ -1,5 +1,6 @@
 """plan-serve: planned KV blocks equal what the engine allocates; Llama-3.1-8B on an H200 by hand."""
 
+import dataclasses
 import json
 import math
 import re
@@ -12,7 +13,7 @@ from flax import nnx
 
 from jaxinfra.cli import main as cli_main
 from jaxinfra.config import ModelConfig
-from jaxinfra.loading import load_config
+from jaxinfra.loading import DEFAULT_MODEL, load_config, load_model
 from jaxinfra.models import LlamaModel
 from jaxinfra.plan_serve import GPUS, Device, Workload, plan, weight_bytes
 from pallas_kernels import PagedKVCache
@@ -171,3 +172,22 @@ def test_a_step_budget_the_engine_cannot_run_is_refused_for_engine_and_plan_alik
     with pytest.raises(ValueError, match="when chunked prefill is off"):
         plan("tiny", TINY, unchunked, Device("cpu", None), WORKLOAD)
     assert step_token_budget(EngineArgs(model="tiny", max_num_seqs=8), 128) == 2048
+
+
+def test_a_draft_models_pool_shares_the_kv_budget_in_engine_and_plan() -> None:
+    """Speculative decoding with a draft model: its KV pool (as many blocks as the target's) comes out
+    of the same kv_cache_memory, in the engine and in plan-serve alike."""
+    spec = {"method": "draft_model", "model": "default-draft", "num_speculative_tokens": 2}
+    args = EngineArgs(
+        model=str(DEFAULT_MODEL), kv_cache_memory=5_000_000, max_model_len=256, max_num_seqs=4, compilation_cache_dir=""
+    )
+    cfg = load_config(DEFAULT_MODEL)
+    alone = plan("default", cfg, args, Device("cpu", None), WORKLOAD)
+    args = dataclasses.replace(args, speculative_config=spec)
+    core = EngineCore(load_model(DEFAULT_MODEL), args)
+    planned = plan("default", cfg, args, Device("cpu", None), WORKLOAD)
+    assert core.runner.draft is not None
+    pools = [core.runner.kv_cache, core.runner.draft.kv_cache]
+    allocated = sum(leaf.nbytes for pool in pools for leaf in jax.tree.leaves(pool))
+    assert planned.num_blocks == core.block_manager.num_blocks < alone.num_blocks
+    assert planned.kv_pool_bytes_per_device == allocated <= 5_000_000

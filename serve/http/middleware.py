@@ -23,8 +23,7 @@ class RefuseWhileDraining:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         drain = self.state.drain
-        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
-        if scope["type"] == "http" and drain.draining and path not in drain.open_paths:
+        if scope["type"] == "http" and drain.draining and _path(scope) not in drain.open_paths:
             response = error_response(
                 OpenAIError(503, "The server is shutting down.", type_="service_unavailable", code="server_draining")
             )
@@ -32,6 +31,10 @@ class RefuseWhileDraining:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _path(scope: Scope) -> str:
+    return scope["path"].removeprefix(scope.get("root_path", "")) or "/"
 
 
 MIDDLEWARE: tuple[type[RefuseWhileDraining], ...] = (RefuseWhileDraining,)

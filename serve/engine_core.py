@@ -27,7 +27,7 @@ from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
 from serve.loop_stream import LoopTokenStream, device_tap
 from serve.runner import InFlight, ModelRunner
-from serve.scheduler import CoreRequest, Scheduler, SchedulerOutput
+from serve.scheduler import CoreRequest, Scheduler, SchedulerOutput, streams_in_loop
 from serve.sequence import Sequence
 from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig
 from serve.structured_output import GrammarCompiler, Matcher
@@ -228,14 +228,13 @@ class EngineCore:
         return list(outputs.values())
 
     def _streamed_rows(self, sched: SchedulerOutput) -> list[tuple[str, int, int] | None] | None:
-        """A decode loop's rows whose tokens stream as made: those past their prompt (a first token
-        comes with the step's results, which carry what a first output says), each with the loop
+        """A decode loop's rows whose tokens stream as made (`streams_in_loop`), each with the loop
         token that ends it by length (its budget, when the loop spends all of it; else 0)."""
-        if sched.num_steps == 1 or sched.budgets is None:
+        if sched.budgets is None:
             return None
         budget = self.scheduler.budget  # what is left after this loop: 0 for a row it ends
         return [
-            (s.request_id, s.index, made if budget(s) == 0 else 0) if computed >= s.prompt_len else None
+            (s.request_id, s.index, made if budget(s) == 0 else 0) if streams_in_loop(s, computed) else None
             for s, computed, made in zip(sched.seqs, sched.num_computed.tolist(), sched.budgets.tolist())
         ]
 

@@ -56,7 +56,7 @@ def device_tap(fn: Callable[[np.ndarray], None], mesh: Mesh | None = None) -> Ca
 @dataclasses.dataclass
 class _Step:
     rows: list[Row] | None  # a decode loop's streamed rows; None for a step that streams nothing
-    seen: set[int] = dataclasses.field(default_factory=set)  # loop iterations received (a TP step taps per device)
+    seen: set[int] = dataclasses.field(default_factory=set)  # loop iterations received: each is streamed once
     held: list[np.ndarray] = dataclasses.field(default_factory=list)  # iterations waiting for earlier results
     sent: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)  # tokens streamed per row
     ended: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # rows whose finish was streamed

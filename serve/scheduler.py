@@ -113,7 +113,6 @@ class Scheduler:
         proposer: NgramProposer | DraftSlots | None = None,
         disable_spec_above: int | None = None,
         connector: KVConnectorBase | None = None,
-        stream_loops: bool = False,
     ) -> None:
         """`proposer`: speculative decoding's, drafting for decodes while at most `disable_spec_above`
         sequences run (None: always). `connector`: disaggregation's KV connector (scheduler side)."""
@@ -125,7 +124,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_set = frozenset(eos_token_ids)
         self.num_scheduler_steps = num_scheduler_steps
-        self.stream_loops = stream_loops
+        self.stream_loops = False  # set by EngineCore.stream_loops
         self.num_steps_made = 0
         self.proposer = proposer
         self.disable_spec_above = disable_spec_above
@@ -305,7 +304,10 @@ class Scheduler:
         if any(
             s.params.uses_penalties
             or s.matcher is not None
-            or (s.params.output_kind == "delta" and not self._streams_in_loop(s))
+            or (
+                s.params.output_kind == "delta"
+                and not (self.stream_loops and streams_in_loop(s, s.num_computed_tokens))
+            )
             or len(s.params.stop_token_ids) > MAX_BANNED_STOP_IDS
             for s, _ in scheduled
         ):
@@ -314,11 +316,6 @@ class Scheduler:
             if not self.bm.allocate_slots(s, min(k, self.budget(s))):
                 return 1
         return k
-
-    def _streams_in_loop(self, seq: Sequence) -> bool:
-        """A loop streams this sequence's tokens as made: with `stream_loops`, for tokens without
-        logprobs, past its first (which comes with the step's results, as a first output's details)."""
-        return self.stream_loops and seq.params.logprobs is None and seq.num_computed_tokens >= seq.prompt_len
 
     def _output(
         self, scheduled: list[tuple[Sequence, int]], preempted: list[Sequence], drafts: dict[int, list[int]]
@@ -488,6 +485,13 @@ class Scheduler:
             for sib in reversed(req.pending):
                 self.add(sib, front=True)
             req.pending = []
+
+
+def streams_in_loop(seq: Sequence, num_computed: int) -> bool:
+    """A decode loop streams this row's tokens as made (when its tokens are streamed at all): tokens
+    without logprobs (the tap carries none), past the first (`num_computed`, before the loop, covers the
+    prompt: a first token comes with the step's results, which carry what a first output says)."""
+    return seq.params.logprobs is None and num_computed >= seq.prompt_len
 
 
 def _plain(seq: Sequence) -> bool:

@@ -81,8 +81,9 @@ def test_results_of_several_steps_at_once_keep_their_held_tokens():
 def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
     """Driven as the core process drives it: streams (output kind "delta") run 8-step loops now, and
     every output carries one token; tokens, finish reasons and stop ids are single steps' own.
-    Requests arrive while others run, stop on a stop id, sample two sequences, ask for logprobs."""
-    ps = prompts([5, 9, 30, 12, 7], seed=3)
+    Requests arrive while others run, stop on a stop id, sample two sequences, ask for logprobs (a
+    whole answer's logprobs run in the loop unstreamed: the tap carries none, and none may be lost)."""
+    ps = prompts([5, 9, 30, 12, 7, 11], seed=3)
     base = SamplingParams(temperature=0.0, max_tokens=30, output_kind="delta")
     singles = engine(num_scheduler_steps=1)
     singles.core.add_request(singles.input_processor.process("probe", ps[2], base))  # the stop id: a token
@@ -96,6 +97,7 @@ def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
         "stop": dataclasses.replace(base, stop_token_ids=[made[6]]),
         "logprobs": dataclasses.replace(base, max_tokens=6, logprobs=2),
         "late": dataclasses.replace(base, max_tokens=17),
+        "whole_logprobs": SamplingParams(temperature=0.0, max_tokens=20, logprobs=1),
     }
 
     def requests(eng):
@@ -119,6 +121,7 @@ def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
     _drive(looped.core, requests(looped), stream)
     got: dict[tuple[str, int], list[int]] = {}
     got_finish: dict[tuple[str, int], str] = {}
+    num_logprobs = 0
     for msg in msgs:
         for o in msg.outputs:
             key = (o.request_id, o.index)
@@ -126,9 +129,13 @@ def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
             got.setdefault(key, []).extend(o.new_token_ids)
             if o.finish_reason:
                 got_finish[key] = o.finish_reason
+            if o.request_id == "whole_logprobs":
+                num_logprobs += len(o.new_logprobs or [])
+                continue
             assert len(o.new_token_ids) <= 1, (key, o.new_token_ids)
             assert o.new_token_ids or not o.finish_reason, f"{key}'s finish came after its last token"
     assert got == reference and got_finish == finish
+    assert num_logprobs == len(got[("whole_logprobs", 0)]) == 20
     assert finish[("stop", 0)] == "stop" and reference[("stop", 0)][-1] == made[6]
     assert max(loops) == 8  # streams looped
 

@@ -1,9 +1,9 @@
-"""Speculative decoding (n-gram, and the embedded model's trained draft) vs none on the embedded
+"""Speculative decoding (n-gram, the embedded model's trained draft and its EAGLE head) vs none on the embedded
 model, KJV continuation prompts, greedy: mean acceptance length (1 + accepted / drafts) and TPOT at
 several batch sizes, every engine in this process on the same prompts (each batch run once to
 compile, then timed --repeats times, engines interleaved, the fastest run kept).
 
-python -m benchmarks.speculative [--quick] [--k 3] [--methods ngram draft_model] [--out benchmarks/out]
+python -m benchmarks.speculative [--quick] [--k 3] [--methods ngram draft_model eagle] [--out benchmarks/out]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxinfra.loading import DEFAULT_DRAFT_NAME, DEFAULT_MODEL
+from jaxinfra.loading import DEFAULT_DRAFT_NAME, DEFAULT_EAGLE_NAME, DEFAULT_MODEL
 from serve import EngineArgs, LLMEngine, SamplingParams
 
 KJV = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kjv_excerpt.txt"
@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 4, 16 tokens")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"], choices=["ngram", "draft_model"])
+    parser.add_argument(
+        "--methods", nargs="+", default=["ngram", "draft_model", "eagle"], choices=["ngram", "draft_model", "eagle"]
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument(
         "--disable-by-batch-size",
@@ -90,6 +92,7 @@ def main() -> None:
     specs = {
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4},
         "draft_model": {"method": "draft_model", "model": DEFAULT_DRAFT_NAME, "num_speculative_tokens": args.k},
+        "eagle": {"method": "eagle", "model": DEFAULT_EAGLE_NAME, "num_speculative_tokens": args.k},
     }
     specs = {name: {**spec, **auto_off} for name, spec in specs.items()}
     engines = {"off": LLMEngine.from_engine_args(EngineArgs(**base))}

@@ -15,6 +15,7 @@ from jaxinfra.checkpoint import load_hf_model, restore_params
 from jaxinfra.checkpoint.hf import abstract_model
 from jaxinfra.config import DTYPES, ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
+from jaxinfra.models.eagle import is_eagle_dir
 from jaxinfra.models.llama import stack_layers, unstack_layers
 from jaxinfra.quant.formats import QUANT_METHODS
 from jaxinfra.tokenizer import Tokenizer
@@ -26,6 +27,9 @@ DEFAULT_MODEL_NAME = "kjv-small"  # the id `jaxinfra serve` gives it
 # Its speculative draft: one narrow layer, same corpus and tokenizer (scripts/build_default_draft.py).
 DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent / "default_draft"
 DEFAULT_DRAFT_NAME = "default-draft"  # the name `model` takes for it in a speculative_config
+# Its EAGLE head: one layer over its hidden states (configs/train/default_eagle.yaml).
+DEFAULT_EAGLE_DIR = Path(__file__).resolve().parent / "default_eagle"
+DEFAULT_EAGLE_NAME = "default-eagle"
 ON_THE_FLY: dict[str, dict[str, Any]] = {
     "int8": {"method": "rtn", "bits": 8, "group_size": 0},
     "int4": {"method": "rtn", "bits": 4},
@@ -37,6 +41,8 @@ def _resolve(path_or_preset: str | Path) -> Path | str:
     """A directory holding the HF config.json (a run directory resolves to its model/ folder), or a preset."""
     if str(path_or_preset) == DEFAULT_DRAFT_NAME:
         return DEFAULT_DRAFT_DIR
+    if str(path_or_preset) == DEFAULT_EAGLE_NAME:
+        return DEFAULT_EAGLE_DIR
     path = Path(path_or_preset)
     if is_run_dir(path):
         return path / "model"
@@ -47,6 +53,20 @@ def _resolve(path_or_preset: str | Path) -> Path | str:
     raise ValueError(
         f"model {str(path_or_preset)!r} is neither a local directory nor a preset ({', '.join(list_presets())})"
     )
+
+
+def model_dir(path_or_name: str | Path) -> Path:
+    """The local directory a model name or path stands for (a ValueError for a preset: no files)."""
+    where = _resolve(path_or_name)
+    if not isinstance(where, Path):
+        raise ValueError(f"model {str(path_or_name)!r} is a preset, not a directory")
+    return where
+
+
+def is_eagle_head(path_or_name: str | Path) -> bool:
+    """Whether a model name or path stands for an EAGLE head's directory (not a model)."""
+    where = _resolve(path_or_name)
+    return isinstance(where, Path) and is_eagle_dir(where)
 
 
 def dtype_name(dtype: Any) -> str | None:

@@ -189,8 +189,10 @@ def plan(
         raise ValueError(f"quantization {args.quantization} rounds dense MLPs, not {cfg.model_type}'s experts")
     weights = weight_bytes(cfg, args.quantization) if weights is None else weights
     spec = args.speculative()
-    draft = load_config(spec.model) if spec is not None and spec.method == "draft_model" and spec.model else None
-    if draft is not None:  # its weights, and its KV pool of as many blocks, share the device
+    # a draft model's or EAGLE head's weights, and its KV pool of as many blocks, share the device (a
+    # head's count includes an embedding it shares with the target: an overestimate by vocab x hidden)
+    draft = load_config(spec.model) if spec is not None and spec.method != "ngram" and spec.model else None
+    if draft is not None:
         weights += weight_bytes(draft)
     utilization = args.gpu_memory_utilization
     limit = device.allocator_limit(utilization)

@@ -15,8 +15,10 @@ from typing import Any
 
 import jax
 
-from jaxinfra.loading import load_model, load_tokenizer
+from jaxinfra.config import ModelConfig
+from jaxinfra.loading import load_model, load_tokenizer, model_dir
 from jaxinfra.models import LlamaModel
+from jaxinfra.models.eagle import EagleHead, load_eagle_head
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -27,9 +29,10 @@ from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
 from serve.loop_stream import LoopTokenStream, device_tap
 from serve.runner import InFlight, ModelRunner
-from serve.scheduler import CoreRequest, Scheduler, SchedulerOutput, streams_in_loop
+from serve.scheduler import CoreRequest, Scheduler, streams_in_loop
 from serve.sequence import Sequence
-from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig
+from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer, SpeculativeConfig
+from serve.step_data import SchedulerOutput
 from serve.structured_output import GrammarCompiler, Matcher
 
 
@@ -61,10 +64,10 @@ class EngineCore:
             )
         budget = step_token_budget(args, self.max_model_len)
         spec = args.speculative()
-        if spec is not None and spec.method == "eagle":
-            raise ValueError("EngineArgs.speculative_config.method 'eagle' is not served yet (ngram, draft_model are)")
         draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
-        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget, draft)
+        eagle = self._eagle_head(spec, args, cfg) if spec is not None and spec.method == "eagle" else None
+        draft_cfg = draft.cfg if draft is not None else eagle.cfg if eagle is not None else None
+        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget, draft_cfg)
         if num_blocks * args.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
@@ -73,7 +76,7 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
         self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        proposer = (NgramProposer(spec) if draft is None else DraftSlots(spec.num_speculative_tokens)) if spec else None
+        proposer = self._proposer(spec)
         kv_transfer = args.kv_transfer()
         connector = kv_transfer.connector(args.block_size) if kv_transfer is not None else None
         self.scheduler = Scheduler(
@@ -104,6 +107,7 @@ class EngineCore:
             num_scheduler_steps=args.num_scheduler_steps,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             draft_model=draft,
+            eagle_head=eagle,
         )
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -122,23 +126,44 @@ class EngineCore:
         self.runner.device.loop_tap = device_tap(stream.tap, self.runner.device.mesh)
 
     @staticmethod
-    def _draft_model(spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:
-        """The draft_model proposer's model (its vocabulary was checked against the target's) in the
-        target's dtype; what it cannot serve with yet is refused here."""
+    def _proposer(spec: SpeculativeConfig | None) -> NgramProposer | DraftSlots | EagleDrafts | None:
+        """The scheduler's side of the configured proposer."""
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        return (DraftSlots if spec.method == "draft_model" else EagleDrafts)(spec.num_speculative_tokens)
+
+    @staticmethod
+    def _device_proposer_args(spec: SpeculativeConfig, args: EngineArgs) -> None:
+        """What a device proposer (draft model, EAGLE head) cannot serve with yet is refused here."""
         for name in ("tensor_parallel_size", "num_scheduler_steps"):
             if (value := getattr(args, name)) != 1:
-                raise ValueError(f"EngineArgs.{name} must be 1 with speculative_config.method draft_model, got {value}")
+                method = spec.method
+                raise ValueError(f"EngineArgs.{name} must be 1 with speculative_config.method {method}, got {value}")
+
+    @classmethod
+    def _draft_model(cls, spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:
+        """The draft_model proposer's model (its vocabulary was checked against the target's) in the
+        target's dtype."""
+        cls._device_proposer_args(spec, args)
         assert spec.model is not None
         return load_model(spec.model, dtype, attn_impl=args.attn_impl)
 
+    @classmethod
+    def _eagle_head(cls, spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig) -> EagleHead:
+        """The EAGLE proposer's head (checked against the target's shape) in the target's dtype."""
+        cls._device_proposer_args(spec, args)
+        assert spec.model is not None
+        return load_eagle_head(model_dir(spec.model), target, attn_impl=args.attn_impl)
+
     @staticmethod
     def _blocks_from_memory(
-        model: LlamaModel, args: EngineArgs, step_tokens: int, draft: LlamaModel | None = None
+        model: LlamaModel, args: EngineArgs, step_tokens: int, draft_cfg: ModelConfig | None = None
     ) -> int:
-        """KV blocks for this device's memory (what is in use now: the weights, the draft's too, all
-        on the first device until the runner shards them); a draft's pool shares the budget."""
+        """KV blocks for this device's memory (what is in use now: the weights, a draft's or head's
+        too, all on the first device until the runner shards them); their pool shares the budget."""
         device = jax.devices()[0]
-        draft_cfg = None if draft is None else draft.cfg
         if device.platform == "gpu" and args.kv_cache_memory is None:
             stats = device.memory_stats()
             usable = usable_bytes(stats["bytes_limit"], args.gpu_memory_utilization, xla_mem_fraction())
@@ -261,7 +286,7 @@ class EngineCore:
             bm.num_free_blocks,
             bm.num_blocks,
             self.runner.num_compilations,
-            self.scheduler.spec_stats,
+            self.scheduler.spec.stats if self.scheduler.spec is not None else None,
             kv_transfer=self.kv_transfer.connector.get_kv_connector_stats() if self.kv_transfer is not None else None,
             expert_load=self.expert_load.stats() if self.expert_load is not None else None,
         )

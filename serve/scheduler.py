@@ -19,9 +19,10 @@ from serve.kv_cache import BlockManager
 from serve.kv_transfer.base import KVConnectorBase
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
-from serve.spec_decode import DraftSlots, NgramProposer, SpecDecodingStats
+from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer
+from serve.spec_decode.scheduling import SpecScheduling
+from serve.step_data import LogprobArrays, SchedulerOutput, StepResult
 
-LogprobArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # log p(chosen), top ids, top logprobs
 Logprob = tuple[float, np.ndarray, np.ndarray]  # one position's: log p(token), top ids, top logprobs
 
 
@@ -34,47 +35,6 @@ class CoreRequest:
     @property
     def finished(self) -> bool:
         return not self.pending and all(s.is_finished for s in self.seqs)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    """One step as data: the sequences in row order and, per row, counts taken when it was scheduled.
-
-    A decode loop (num_steps > 1) runs up to `budgets` steps per row; the scheduler counts every row
-    as making its whole budget (a row stops early only by finishing), so the next step is scheduled
-    while the loop runs. `finished` and `preempted` rows left the batch since the last step."""
-
-    seqs: list[Sequence]
-    num_new: np.ndarray  # tokens each row computes this step
-    num_computed: np.ndarray  # tokens each had in the KV cache before
-    num_tokens: np.ndarray  # tokens each had (known and on the device) before
-    num_pending: np.ndarray  # of which still on the device
-    preempted: list[Sequence] = dataclasses.field(default_factory=list)
-    finished: list[int] = dataclasses.field(default_factory=list)  # seq ids
-    num_steps: int = 1
-    budgets: np.ndarray | None = None  # decode loop: tokens each row may make
-    draft_ids: np.ndarray | None = None  # speculative: [S, k] draft tokens each row verifies (-1 pads)
-    step_id: int = 0  # the non-empty steps scheduled before this one: results apply in this order
-
-    @property
-    def samples(self) -> np.ndarray:
-        """bool per row: its prompt is done, so it samples a token."""
-        return self.num_computed + self.num_new >= self.num_tokens
-
-    @property
-    def total_tokens(self) -> int:
-        return int(self.num_new.sum())
-
-
-@dataclasses.dataclass
-class StepResult:
-    """Host copies of what a step produced, rows in scheduled order; a decode loop's are [K, S, ...]."""
-
-    tokens: np.ndarray
-    num_emitted: np.ndarray | None = None  # speculative: [S] tokens each row emitted (tokens is [S, k+1])
-    logprobs: LogprobArrays | None = None  # sampled tokens': [S], [S, MAX_LOGPROBS] x 2
-    prompt_logprobs: LogprobArrays | None = None  # per prompt token: log p(next prompt token), top ids, top
-    expert_counts: np.ndarray | None = None  # MoE models: token copies per expert [MoE layers, experts]
 
 
 def _rank(seq: Sequence) -> Any:
@@ -110,7 +70,7 @@ class Scheduler:
         max_model_len: int = 2**31 - 1,
         eos_token_ids: tuple[int, ...] = (),
         num_scheduler_steps: int = 1,
-        proposer: NgramProposer | DraftSlots | None = None,
+        proposer: NgramProposer | DraftSlots | EagleDrafts | None = None,
         disable_spec_above: int | None = None,
         connector: KVConnectorBase | None = None,
     ) -> None:
@@ -126,10 +86,7 @@ class Scheduler:
         self.num_scheduler_steps = num_scheduler_steps
         self.stream_loops = False  # set by EngineCore.stream_loops
         self.num_steps_made = 0
-        self.proposer = proposer
-        self.disable_spec_above = disable_spec_above
-        self.spec_stats = SpecDecodingStats(proposer.k) if proposer is not None else None
-        self.drafted = False  # the last step scheduled verifies drafts: its results settle computed counts
+        self.spec = None if proposer is None else SpecScheduling(proposer, disable_spec_above, max_model_len)
         self.connector = connector
         self.loading: dict[int, Sequence] = {}  # seq id -> a waiting sequence whose remote KV is loading
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -189,9 +146,7 @@ class Scheduler:
     def needs_sync(self) -> bool:
         """A running sequence whose last token is still on the device needs it on the host before it is
         scheduled: penalties read the host-built history, a structured output its matcher."""
-        if self.proposer is not None and (self.drafted or self._may_draft()):
-            # drafts come from the tokens on the host, and a verify step emits a variable count; with
-            # speculation off (auto-off above disable_by_batch_size) steps stay asynchronous
+        if self.spec is not None and self.spec.needs_sync(len(self.running)):
             return any(s.num_pending for s in self.running)
         return any(s.num_pending and (s.params.uses_penalties or s.matcher is not None) for s in self.running)
 
@@ -202,7 +157,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         bs = self.bm.block_size
         running = self.running
-        drafts = self._propose()
+        drafts = self.spec.propose(self.running, self.waiting, self.budget) if self.spec is not None else {}
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -211,8 +166,9 @@ class Scheduler:
             if n <= 0 or total - seq.prompt_len >= seq.max_output:
                 i += 1  # nothing to compute, or max_tokens already in flight
                 continue
-            grows = -(-(seq.num_computed_tokens + n) // bs) > len(seq.block_ids)
-            while grows and not self.bm.allocate_slots(seq, n):
+            slots = n + self._lookahead(seq, n)
+            grows = -(-(seq.num_computed_tokens + slots) // bs) > len(seq.block_ids)
+            while grows and not self.bm.allocate_slots(seq, slots):
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -223,7 +179,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if seq.num_pending:
                 break  # its last token is still on the device
             if not seq.block_ids:
@@ -234,10 +190,12 @@ class Scheduler:
             n = min(remaining, budget)
             # Without chunking a prompt waits for a step with room for all of it (the budget holds
             # max_model_len); and for blocks when the pool is short.
-            if (n < remaining and not self.enable_chunked_prefill) or not self.bm.allocate_slots(seq, n):
+            if (n < remaining and not self.enable_chunked_prefill) or not self.bm.allocate_slots(
+                seq, n + self._lookahead(seq, n)
+            ):
                 self.bm.free(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             if self.by_priority:
                 bisect.insort(self.running, seq, key=_rank)
@@ -246,6 +204,15 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return self._output(scheduled, preempted, drafts)
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: the first that holds blocks (its remote KV loaded: at most one
+        more block to run), else the head. A head short of blocks must not wait for those: a deadlock."""
+        if self.connector is not None:  # only a KV connector leaves blocks with waiting sequences
+            for seq in self.waiting:
+                if seq.block_ids:
+                    return seq
+        return self.waiting[0]
 
     def _load_remote(self, seq: Sequence) -> bool:
         """KV connector: a waiting prompt that a remote engine computed gets blocks for those tokens and
@@ -272,22 +239,9 @@ class Scheduler:
             seq.kv_transfer_params = None  # pulled or gone: never asked for again (a preemption recomputes)
             self.add(seq, front=True)
 
-    def _propose(self) -> dict[int, list[int]]:
-        """Speculative decoding: the proposer's drafts for running decodes (seq id -> tokens), when
-        every sequence in the engine takes plain sampling (no logprobs, penalties, logit bias or
-        grammar) and few enough run."""
-        if self.proposer is None or not self.running or not self._may_draft():
-            return {}
-        if not all(_plain(s) for s in (*self.running, *self.waiting)):
-            return {}
-        decodes = [s for s in self.running if s.num_computed_tokens == len(s.tokens) - 1 and not s.num_pending]
-        room = [min(self.budget(s) - 1, self.max_model_len - s.num_tokens - 1) for s in decodes]
-        proposed = self.proposer.propose_lists([s.tokens for s in decodes], [max(r, 0) for r in room])
-        return {s.seq_id: d for s, d in zip(decodes, proposed) if d}
-
-    def _may_draft(self) -> bool:
-        """Few enough sequences run for speculation (at most disable_spec_above)."""
-        return self.disable_spec_above is None or len(self.running) <= self.disable_spec_above
+    def _lookahead(self, seq: Sequence, n: int) -> int:
+        """KV slots past a step's `n` tokens that the proposer writes (EAGLE's drafts)."""
+        return self.spec.lookahead(seq, n) if self.spec is not None else 0
 
     def budget(self, seq: Sequence) -> int:
         """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
@@ -336,16 +290,11 @@ class Scheduler:
             self.finished_ids,
             num_steps,
             step_id=self.num_steps_made,
+            draft_ids=self.spec.draft_ids(scheduled, drafts) if self.spec is not None else None,
+            may_draft=self.spec is not None and self.spec.may_draft(len(self.running)),
         )
         self.num_steps_made += n > 0  # empty outputs are not dispatched: the numbers stay contiguous
         self.finished_ids = []
-        self.drafted = bool(drafts)
-        if drafts and self.proposer is not None:
-            draft_ids = np.full((n, self.proposer.k), -1, np.int32)
-            for row, (seq, count) in enumerate(scheduled):
-                d = drafts.get(seq.seq_id, [])[: count - 1]  # the budget may have cut the draft short
-                draft_ids[row, : len(d)] = d
-            sched = dataclasses.replace(sched, draft_ids=draft_ids)
         made = sched.samples.astype(np.int32)
         if num_steps > 1:
             made = np.minimum(np.fromiter((self.budget(s) for s in seqs), np.int32, n), num_steps)
@@ -380,9 +329,11 @@ class Scheduler:
         made = (sched.samples.astype(np.int32) if sched.budgets is None else sched.budgets).tolist()
         tokens = res.tokens.T.tolist() if loop else res.tokens[:, None].tolist()
         emitted = made
-        if res.num_emitted is not None:  # speculative: rejected drafts' KV is rolled back
+        if res.num_emitted is not None and self.spec is not None:  # rejected drafts' KV is rolled back
             tokens = res.tokens.tolist()
-            emitted = self._settle_drafts(sched, res.num_emitted, made)
+            emitted = self.spec.settle(sched, res.num_emitted, made)
+        if res.drafts is not None:  # EAGLE: what each row's next step verifies
+            SpecScheduling.keep_drafts(sched, res.drafts)
         bs = self.bm.block_size
         for i, (seq, m) in enumerate(zip(sched.seqs, made)):
             if seq.is_finished:
@@ -400,19 +351,6 @@ class Scheduler:
             else:
                 if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
                     self.bm.cache_full_blocks(seq)
-
-    def _settle_drafts(self, sched: SchedulerOutput, num_emitted: np.ndarray, made: list[int]) -> list[int]:
-        """Tokens each row emitted; a row's rejected drafts are uncomputed (their KV slots are
-        overwritten later), and the acceptance counted."""
-        assert sched.draft_ids is not None and self.spec_stats is not None
-        num_draft = (sched.draft_ids >= 0).sum(axis=1)
-        emitted = np.where(np.asarray(made) > 0, num_emitted[: len(sched.seqs)], 0)
-        accepted = np.maximum(emitted - 1, 0)
-        for seq, rejected in zip(sched.seqs, (num_draft - accepted).tolist()):
-            if rejected and not seq.is_finished:
-                seq.num_computed_tokens -= rejected
-        self.spec_stats.observe(num_draft, accepted)
-        return emitted.tolist()
 
     def _collect_prompt_logprobs(self, seq: Sequence, prompt: LogprobArrays, start: int, n: int, offset: int) -> None:
         k = seq.params.prompt_logprobs or 0
@@ -492,15 +430,3 @@ def streams_in_loop(seq: Sequence, num_computed: int) -> bool:
     without logprobs (the tap carries none), past the first (`num_computed`, before the loop, covers the
     prompt: a first token comes with the step's results, which carry what a first output says)."""
     return seq.params.logprobs is None and num_computed >= seq.prompt_len
-
-
-def _plain(seq: Sequence) -> bool:
-    """Sampling the rejection sampler serves: no logprobs, penalties, logit bias or grammar."""
-    p = seq.params
-    return (
-        p.logprobs is None
-        and not seq.wants_prompt_logprobs
-        and not p.uses_penalties
-        and not p.logit_bias
-        and seq.matcher is None
-    )

@@ -8,6 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from serve import EngineArgs, SamplingParams
 from serve.kv_cache import BlockManager
+from serve.kv_transfer.shm_connector import SharedMemoryConnector
 from serve.scheduler import Scheduler
 from serve.sequence import Sequence, Status
 
@@ -78,6 +79,24 @@ def test_scheduler_budget_chunking_and_preemption():
     out = sched.schedule()
     assert out.preempted == [] and set(out.seqs) == {a, b}
     bm.check_invariants(sched.running)
+
+
+def test_sequences_with_loaded_kv_are_not_stuck_behind_a_head_short_of_blocks():
+    """Disaggregation: sequences whose remote KV loaded wait holding their blocks; a preempted sequence put
+    back at the head cannot get blocks while they hold them, so they are admitted first (they need at most
+    one more block each), not left behind it forever."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, connector=SharedMemoryConnector(4))
+    loaded = [Sequence(f"loaded{i}", 0, list(range(13)), PARAMS, 0, None) for i in range(2)]
+    for seq in loaded:  # what _load_remote and the worker leave: every prompt token but the last in place
+        assert bm.allocate_slots(seq, 12)
+        seq.num_computed_tokens = 12
+        sched.loading[seq.seq_id] = seq
+    sched.finish_loads({s.request_id for s in loaded}, set())
+    head = Sequence("preempted", 0, list(range(100, 140)), PARAMS, 0, None)
+    sched.add(head, front=True)  # its 16-token chunk needs 4 blocks, 2 are free
+    assert set(_rows(sched.schedule())) == {(loaded[0], 1), (loaded[1], 1)}
+    assert list(sched.waiting) == [head] and bm.num_free_blocks == 0
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -28,10 +28,17 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def proxy_for(prefill: list[str], decode: list[str], **kwargs):
-    app = build_proxy_app(Proxy(prefill, decode, **kwargs))
+def serve_proxy(proxy: Proxy):
+    """`proxy` served on a loopback port (its URL), for a test that set its client or pools up itself."""
+    app = build_proxy_app(proxy)
     app.state.server = types.SimpleNamespace(engine=types.SimpleNamespace(shutdown=lambda: None))
     with serve_in_thread(app) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def proxy_for(prefill: list[str], decode: list[str], **kwargs):
+    with serve_proxy(Proxy(prefill, decode, **kwargs)) as url:
         yield url
 
 
@@ -121,6 +128,22 @@ def test_dead_prefill_is_a_bounded_503_and_recovers():
         with serve_in_thread(FakeEngine("prefill0").app(), port=port):
             r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decode0<-prefill0"
+
+
+def test_prefill_dying_as_the_proxy_connects_is_a_503():
+    """A connection the engine resets right after connect (it was killed) makes anyio raise AttributeError,
+    not an httpx error: still the OpenAI 503, the engine no longer counted as busy."""
+
+    def reset(request: httpx.Request) -> httpx.Response:
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    proxy = Proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(reset))
+    with serve_proxy(proxy) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "prefill_unavailable"
+    assert "unreachable (AttributeError)" in r.json()["error"]["message"]
+    assert proxy.status()["prefill"] == {"http://127.0.0.1:9": 0}
 
 
 def test_stuck_prefill_times_out_and_other_prefill_takes_over():

@@ -6,8 +6,8 @@ import pytest
 from serve_helpers import GREEDY, engine, prompts, reference
 
 from serve import SamplingParams
-from serve.scheduler import SchedulerOutput
 from serve.sequence import Sequence
+from serve.step_data import SchedulerOutput
 
 
 def test_runner_runs_synthetic_scheduler_outputs():

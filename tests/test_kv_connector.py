@@ -16,7 +16,7 @@ from pallas_kernels import PagedKVCache
 from serve.kv_transfer.base import ALL_LAYERS
 from serve.kv_transfer.shm_connector import SharedMemoryConnector
 from serve.kv_transfer.shm_transport import release, segment_exists
-from serve.scheduler import SchedulerOutput
+from serve.step_data import SchedulerOutput
 from tests.kv_transfer.pools import blocks_of, random_pool
 
 PROMPT = list(range(100, 110))  # 10 tokens: 3 blocks of 4

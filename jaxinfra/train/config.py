@@ -48,6 +48,9 @@ class RunConfig:
     profile_steps: int = 0  # > 0: trace this many steps with jax.profiler into out_dir/tb (TensorBoard)
     profile_start: int = 3  # first traced step (after compilation and warm-up)
     export_hf: bool = True  # write <out_dir>/hf (safetensors + tokenizer) at the end
+    # a model: train an EAGLE draft head over its frozen hidden states instead (`model` is then not
+    # used: the head takes the target's shape), written to <out_dir>/hf (jaxinfra/train/eagle.py)
+    eagle_target: str | None = None
 
     def __post_init__(self) -> None:
         self.train_config()  # checks remat, microbatches and compute_dtype

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from tqdm import tqdm
@@ -31,7 +32,7 @@ class MetricsLogger:
             total=total_steps, initial=start_step, desc="train", unit="step", disable=not progress, dynamic_ncols=True
         )
 
-    def log(self, step: int, split: str, metrics: dict[str, float | list[float]]) -> None:
+    def log(self, step: int, split: str, metrics: Mapping[str, float | list[float]]) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps({"step": step, "split": split, **metrics}) + "\n")

@@ -27,6 +27,7 @@ from jaxinfra.loading import load_config, load_model, load_tokenizer
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 from jaxinfra.train.config import RunConfig, dump_run_config
+from jaxinfra.train.eagle import train_eagle
 from jaxinfra.train.logger import MetricsLogger, plot_losses
 from jaxinfra.train.step import Trainer, TrainState, make_schedule, per_device_bytes
 from jaxinfra.train.throughput import device_memory_gib, device_peak_tflops, flops_per_token
@@ -105,7 +106,11 @@ class StepProfiler:
 
 
 def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
-    """Run (or resume) the training run described by `cfg`; returns where it ended."""
+    """Run (or resume) the training run described by `cfg`; returns where it ended. With
+    `eagle_target`, train an EAGLE head instead (jaxinfra.train.eagle; no resume)."""
+    if cfg.eagle_target is not None:
+        head_dir, loss, entropy = train_eagle(cfg, progress)
+        return TrainResult(head_dir.parent, 0, cfg.steps, loss, entropy)
     out = Path(cfg.out_dir)
     chief = jax.process_index() == 0
     model_cfg, tokenizer, pretrained = model_source(cfg)

@@ -81,8 +81,9 @@ class Proxy:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout))
 
     async def _send(self, pool: LeastOutstanding, send: Callable[[str], Awaitable[T]]) -> tuple[str, T]:
-        """`send` to the least loaded engine of `pool`, on to the next while they refuse connections.
-        The engine answering stays counted as outstanding until the caller releases it."""
+        """`send` to the least loaded engine of `pool`, on to the next while they refuse connections; any
+        other failure is a 503 (not a 500: an engine killed as we connect can make anyio's get_extra_info
+        raise AttributeError). The engine answering stays counted as outstanding until the caller releases it."""
         error: Exception | None = None
         for url in pool.ranked():
             pool.acquire(url)
@@ -91,7 +92,7 @@ class Proxy:
             except httpx.ConnectError as e:
                 pool.release(url)
                 error = e
-            except httpx.TransportError as e:  # it took the request: do not run it twice
+            except Exception as e:  # it may have taken the request: do not run it twice
                 pool.release(url)
                 raise _unavailable(pool.role, url, e) from e
             except BaseException:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 
 from serve.kv_transfer.base import ALL_LAYERS, KVConnectorBase, KVConnectorMetadata, PoolHolder
-from serve.scheduler import Scheduler, SchedulerOutput
+from serve.scheduler import Scheduler
+from serve.step_data import SchedulerOutput
 
 
 class KVTransferWorker:

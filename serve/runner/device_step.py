@@ -47,6 +47,7 @@ class DeviceStep:
     num_compilations: int = 0
     # called in each decode loop iteration with [step id, iteration, S tokens (-1: none), S stop codes]
     loop_tap: Callable[[jax.Array], None] | None = None
+    return_hidden: bool = False  # single and verify steps also return the flat batch's hidden states (EAGLE)
 
     def _traced(self) -> None:
         self.num_compilations += 1  # runs only while tracing: counts compilations
@@ -149,7 +150,7 @@ class DeviceStep:
         last = jnp.take_along_axis(out.tokens, (out.num_emitted - 1)[:, None], axis=1)[:, 0]
         none = jnp.zeros((s, MAX_LOGPROBS), jnp.int32)
         sampled = SamplerOutput(out.tokens, jnp.zeros((s,), jnp.float32), none, none.astype(jnp.float32))
-        return sampled, out.num_emitted, self._padded(last), caches, load
+        return sampled, out.num_emitted, self._padded(last), caches, load, *self._hidden_out(h)
 
     def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
         model, h, caches, load = self._hidden_counted(state, caches, inputs, prev_tokens, max_q_len)
@@ -163,7 +164,11 @@ class DeviceStep:
             jnp.zeros((t, MAX_LOGPROBS), jnp.float32),
         )
         prompt = jax.lax.cond(jnp.any(targets >= 0), lambda: self._prompt_logprobs(model, h, targets), zeros)
-        return out, self._padded(out.tokens), logits, prompt, caches, load
+        return out, self._padded(out.tokens), logits, prompt, caches, load, *self._hidden_out(h)
+
+    def _hidden_out(self, h: jax.Array) -> tuple[jax.Array, ...]:
+        """The hidden states as an extra output when asked for (return_hidden), else nothing."""
+        return (h,) if self.return_hidden else ()
 
     def resample(self, logits, buffers, *, layout):
         """Sample again from a step's logits with penalties, logit_bias and the grammar bitmask."""

@@ -8,7 +8,7 @@ import jax
 
 from serve.runner.inputs import StepBatch
 from serve.sampler import SamplerOutput
-from serve.scheduler import StepResult
+from serve.step_data import StepResult
 
 
 @dataclasses.dataclass
@@ -20,6 +20,7 @@ class InFlight:
     prompt: tuple[jax.Array, ...]  # prompt logprob arrays, empty for a decode loop
     num_emitted: jax.Array | None = None  # verify step: tokens each row emitted (out.tokens [S, k+1])
     expert_counts: jax.Array | None = None  # MoE models: token copies per expert [MoE layers, experts]
+    drafts: jax.Array | None = None  # EAGLE: the next step's drafts [S, k] (-1 pads)
 
     def wait(self) -> None:
         """Block until the device has finished the step."""
@@ -31,9 +32,10 @@ class InFlight:
         arrays = [self.out.tokens, *((self.out.logprob, self.out.top_ids, self.out.top_logprobs) if want_lp else ())]
         if self.batch.prompt_logprobs:
             arrays += list(self.prompt)
-        extra = [a for a in (self.expert_counts, self.num_emitted) if a is not None]
+        extra = [a for a in (self.expert_counts, self.num_emitted, self.drafts) if a is not None]
         host = jax.device_get([*arrays, *extra])  # one transfer, whatever the step returned
-        res = StepResult(host[0], None if self.num_emitted is None else host.pop())
+        drafts = None if self.drafts is None else host.pop()
+        res = StepResult(host[0], None if self.num_emitted is None else host.pop(), drafts=drafts)
         res.expert_counts = None if self.expert_counts is None else host.pop()
         if want_lp:
             res.logprobs = (host[1], host[2], host[3])

@@ -16,9 +16,9 @@ from pallas_kernels.ragged_paged_attention_xla import tile_tokens
 from serve.runner.batch import SlotTable
 from serve.runner.sizing import fit
 from serve.sampler import SamplingTensors
-from serve.scheduler import SchedulerOutput
 from serve.sequence import Sequence
 from serve.spec_decode.verify_batch import verify_arrays
+from serve.step_data import SchedulerOutput
 
 
 @jax.tree_util.register_dataclass

@@ -19,6 +19,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxinfra.models import LlamaModel
+from jaxinfra.models.eagle import EagleHead
 from jaxinfra.models.llama import layer_graph, stack_layers
 from pallas_kernels import PagedKVCache, paged_head_dim, paged_impl
 from pallas_kernels.kv_quant import is_quantized_kv
@@ -29,9 +30,10 @@ from serve.runner.device_step import DeviceStep
 from serve.runner.inflight import InFlight
 from serve.runner.inputs import InputBuilder, StepBatch
 from serve.runner.sizing import buckets, fit
-from serve.scheduler import SchedulerOutput
 from serve.spec_decode.draft_model import DraftModelRunner
+from serve.spec_decode.eagle import EagleRunner
 from serve.spec_decode.verify_batch import verify_arrays
+from serve.step_data import SchedulerOutput
 from serve.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, named_sharding, shard_state, tensor_parallel_mesh
 
@@ -78,9 +80,11 @@ class ModelRunner:
         num_scheduler_steps: int = 1,
         num_speculative_tokens: int = 0,
         draft_model: LlamaModel | None = None,
+        eagle_head: EagleHead | None = None,
     ) -> None:
         """`num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up;
-        `draft_model`: the draft_model proposer's, run on its own KV pool before each step."""
+        `draft_model`: the draft_model proposer's, run on its own KV pool before each step;
+        `eagle_head`: the EAGLE proposer's, run on its own KV pool after each single step."""
         cfg = model.cfg
         self.cfg = cfg
         self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
@@ -124,6 +128,17 @@ class ModelRunner:
                 *device_step(draft_model, draft_graphdef, draft_state, block_size, max_num_seqs),
                 num_blocks=num_blocks,
                 block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                attn_impl=self.attn_impl,
+            )
+        self.eagle = None
+        if eagle_head is not None:
+            self.device.return_hidden = True
+            self.eagle = EagleRunner(
+                self.device,
+                eagle_head,
+                num_speculative_tokens,
+                num_blocks=num_blocks,
                 kv_cache_dtype=kv_cache_dtype,
                 attn_impl=self.attn_impl,
             )
@@ -193,19 +208,24 @@ class ModelRunner:
         if batch.spec is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
             drafts = None
-            if self.draft is not None:
+            if self.draft is not None or self.eagle is not None:
                 buffers = jax.device_put(buffers)  # sent once, read by both models
+            if self.draft is not None:
                 drafts = self.draft.propose(buffers, layout, self.prev_tokens, batch.max_q_len)
-            out, num_emitted, self.prev_tokens, self.kv_cache, load = self._verify(
+            prev = self.prev_tokens
+            out, num_emitted, self.prev_tokens, self.kv_cache, load, *h = self._verify(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, drafts, layout=layout, max_q_len=batch.max_q_len
             )
             self.inputs.dispatched(batch)
-            return InFlight(batch, out, (), num_emitted, load)
+            flight = InFlight(batch, out, (), num_emitted, load)
+            return self._eagle_drafts(flight, h, buffers, layout, prev, self.prev_tokens)
         buffers, layout = pack((batch.inputs, batch.sampling))
-        if self.draft is not None:  # the draft's pool mirrors the target's
+        if self.draft is not None or self.eagle is not None:
             buffers = jax.device_put(buffers)
+        if self.draft is not None:  # the draft's pool mirrors the target's
             self.draft.mirror(buffers, layout, self.prev_tokens, batch.max_q_len)
-        out, padded, logits, prompt, self.kv_cache, load = self._step(
+        prev = self.prev_tokens
+        out, padded, logits, prompt, self.kv_cache, load, *h = self._step(
             self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )
         if batch.history is not None:
@@ -219,7 +239,29 @@ class ModelRunner:
             out, padded = self._resample(logits, buffers, layout=layout)
         self.prev_tokens = padded
         self.inputs.dispatched(batch)
-        return InFlight(batch, out, prompt, expert_counts=load)
+        return self._eagle_drafts(InFlight(batch, out, prompt, expert_counts=load), h, buffers, layout, prev, padded)
+
+    def _eagle_drafts(
+        self, flight: InFlight, h: list, buffers: Any, layout: Layout, prev: jax.Array, last: jax.Array
+    ) -> InFlight:
+        """With an EAGLE head: its drafts for the next step, made from this step's hidden states."""
+        if self.eagle is None:
+            return flight
+        batch = flight.batch
+        rows = self.eagle.row_columns(batch.sched, batch.inputs.kv_lens.shape[0], self.max_model_len)
+        flight.drafts = self.eagle.propose(
+            self.weights,
+            h[0],
+            buffers,
+            layout,
+            batch.max_q_len,
+            prev,
+            last,
+            flight.num_emitted,
+            rows,
+            batch.sched.may_draft,
+        )
+        return flight
 
     def compiled_text(self, batch: StepBatch) -> str:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""

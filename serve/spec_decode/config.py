@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxinfra.loading import load_config
+from jaxinfra.loading import is_eagle_head, load_config
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle")
 NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min/max when neither is given
@@ -88,8 +88,16 @@ class SpeculativeConfig:
         if not self.model:
             raise bad("model", f"is required with method {self.method!r}")
         try:
-            draft_vocab = load_config(self.model).vocab_size  # the config alone, no weights read
+            draft = load_config(self.model)  # the config alone, no weights read
         except ValueError as e:
             raise ValueError(f"speculative_config.model: {e}") from None
-        if target_model is not None and draft_vocab != (target_vocab := load_config(target_model).vocab_size):
-            raise bad("model", f"has a vocabulary of {draft_vocab} tokens, the target's has {target_vocab}")
+        head = is_eagle_head(self.model)
+        if head != (self.method == "eagle"):
+            raise bad("model", "is an EAGLE head: use method eagle" if head else "is not an EAGLE head directory")
+        if target_model is None:
+            return
+        target = load_config(target_model)
+        if draft.vocab_size != target.vocab_size:
+            raise bad("model", f"has a vocabulary of {draft.vocab_size} tokens, the target's has {target.vocab_size}")
+        if head and draft.hidden_size != target.hidden_size:
+            raise bad("model", f"is a head of width {draft.hidden_size}, the target's is {target.hidden_size}")

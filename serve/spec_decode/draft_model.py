@@ -21,12 +21,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import PagedKVCache, paged_head_dim
 from pallas_kernels.kv_quant import is_quantized_kv
-from pallas_kernels.paged_tiles import kernel_work_list, tile_plan
+from pallas_kernels.paged_tiles import kernel_work_list
 from pallas_kernels.ragged_paged_attention import kernel_tile_tokens
 from serve.config import kv_storage_dtype
 from serve.host_transfer import unpack
 from serve.runner.device_step import DeviceStep
 from serve.runner.inputs import StepInputs
+from serve.spec_decode.draft_rows import one_token_rows, row_slots
 
 
 @dataclasses.dataclass(eq=False)  # hashable by identity: its bound methods are jitted
@@ -70,12 +71,8 @@ class DraftStep:
         num_drafts = (planned >= 0).sum(axis=1)
         first = indices[:, 0]  # each row's last known token in the flat batch
         pos0, kv0 = inputs.positions[first], inputs.kv_lens - num_drafts
-        tables, rows, bs = inputs.block_tables, jnp.arange(s), d.block_size
-        cu = jnp.minimum(jnp.arange(s + 1), s).astype(jnp.int32)
         # one query token a row; the plan's pages reach the last position any row writes
-        plan = tile_plan(cu, kv0 + num_drafts, tables, bs, s, 1, jnp) if inputs.plan is not None else None
-        work = kernel_work_list(cu, s, 1, jnp) if inputs.work is not None else None
-        decode_inputs = dataclasses.replace(inputs, cu_q_lens=cu, plan=plan, work=work)
+        decode_inputs = one_token_rows(inputs, kv0 + num_drafts, d.block_size)
         token = jnp.argmax(model.logits(h[first]), axis=-1).astype(jnp.int32)
 
         def body(j, carry):
@@ -83,8 +80,7 @@ class DraftStep:
             drafts = drafts.at[:, j - 1].set(token)
             active = j <= num_drafts  # positions the target writes this step
             pos = pos0 + j
-            block = tables[rows, jnp.minimum(pos // bs, tables.shape[1] - 1)]
-            slots = jnp.where(active, block * bs + pos % bs, -1)
+            slots = row_slots(inputs.block_tables, pos, active, d.block_size)
             meta = d._meta(decode_inputs, jnp.where(active, kv0 + j, 0), slots, 1, jnp.where(active, pos, -1))
             hj, caches = model.hidden_states(token[None], pos[None], meta, caches, stack)
             nxt = jnp.argmax(model.logits(hj[0]), axis=-1).astype(jnp.int32)
@@ -129,13 +125,13 @@ class DraftModelRunner:
         self._mirror = jax.jit(step.mirror, donate_argnums=(1,), static_argnames=static)
         self._propose = jax.jit(step.propose, donate_argnums=(1,), static_argnames=static)
 
-    def mirror(self, buffers: list, layout: Any, prev_tokens: jax.Array, max_q_len: int) -> None:
+    def mirror(self, buffers: Any, layout: Any, prev_tokens: jax.Array, max_q_len: int) -> None:
         """A plain step's KV (packed inputs and sampling, as the target's step gets them)."""
         self.kv_cache = self._mirror(
             self.weights, self.kv_cache, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
         )
 
-    def propose(self, buffers: list, layout: Any, prev_tokens: jax.Array, max_q_len: int) -> jax.Array:
+    def propose(self, buffers: Any, layout: Any, prev_tokens: jax.Array, max_q_len: int) -> jax.Array:
         """A verify step's drafts [S, k] on device (packed as the target's verify step gets them)."""
         drafts, self.kv_cache = self._propose(
             self.weights, self.kv_cache, buffers, prev_tokens, layout=layout, max_q_len=max_q_len

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from serve.sequence import Sequence
+
 
 class DraftSlots:
     """k drafts a decode, or fewer where max_tokens / max_model_len leave less room. The tokens are
@@ -11,6 +13,8 @@ class DraftSlots:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def propose_lists(self, histories: list[list[int]], max_new: list[int]) -> list[list[int]]:
-        """Stand-in drafts, as NgramProposer.propose_lists: min(k, room) per row."""
+    lookahead = 0  # KV slots a step needs past its own tokens
+
+    def propose_seqs(self, seqs: list[Sequence], max_new: list[int]) -> list[list[int]]:
+        """Stand-in drafts, as NgramProposer.propose_seqs: min(k, room) per row."""
         return [[0] * min(self.k, room) for room in max_new]

@@ -11,6 +11,7 @@ import numpy as np
 from jaxtyping import Int
 from numpy.lib.stride_tricks import sliding_window_view
 
+from serve.sequence import Sequence
 from serve.spec_decode.config import SpeculativeConfig
 
 
@@ -23,6 +24,7 @@ class NgramProposer:
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.k = config.num_speculative_tokens
+        self.lookahead = 0  # KV slots a step needs past its own tokens
 
     def propose(
         self,
@@ -56,8 +58,9 @@ class NgramProposer:
         drafts = np.take_along_axis(tokens, np.minimum(at, width - 1), axis=1)
         return np.where(valid, drafts, -1).astype(np.int32)
 
-    def propose_lists(self, histories: list[list[int]], max_new: list[int]) -> list[list[int]]:
-        """`propose` for token lists (the scheduler's sequences): each row's draft, at most max_new[b]."""
+    def propose_seqs(self, seqs: list[Sequence], max_new: list[int]) -> list[list[int]]:
+        """`propose` for the scheduler's sequences: each row's draft, at most max_new[b] tokens."""
+        histories = [s.tokens for s in seqs]
         lengths = np.fromiter(map(len, histories), np.int64, len(histories))
         tokens = np.full((len(histories), int(lengths.max(initial=1))), -1, np.int32)
         for row, history in enumerate(histories):

@@ -151,3 +151,18 @@ def test_eagle_drafts_match_a_dense_reference_and_greedy_outputs_are_identical(w
 def test_a_head_and_a_draft_model_are_not_confused(config, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="kjv-small-arch", speculative_config={**config, "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("name, value", [("num_scheduler_steps", 4), ("tensor_parallel_size", 2)])
+def test_an_eagle_head_refuses_what_it_cannot_serve_with(name, value, tmp_path):
+    spec = {"method": "eagle", "model": str(_repeater(tmp_path / "head")), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=f"EngineArgs.{name} must be 1 with speculative_config.method eagle"):
+        engine(**SMALL, speculative_config=spec, **{name: value})
+
+
+def test_a_head_for_another_width_is_refused(tmp_path):
+    narrow = EagleHead(head_config(model().cfg.replace(hidden_size=32)), nnx.Rngs(0))
+    save_eagle_head(narrow, tmp_path / "narrow")
+    spec = {"method": "eagle", "model": str(tmp_path / "narrow"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative_config.model is a head of width 32, the target's is 64"):
+        EngineArgs(model=PRESET, speculative_config=spec)

@@ -109,8 +109,14 @@ def _repeater(directory: Path) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """The workload's greedy tokens without speculation."""
+    return _tokens(run(engine(**SMALL), _text_workload()))
+
+
 @pytest.mark.parametrize("which", ["trained", "repeater"])
-def test_eagle_drafts_match_a_dense_reference_and_greedy_outputs_are_identical(which, head_dir, tmp_path):
+def test_eagle_drafts_match_a_dense_reference_and_greedy_outputs_are_identical(which, head_dir, plain, tmp_path):
     """Every step, each decode's drafts equal the dense reference's for its history; outputs equal
     the engine's without speculation; the repeater's drafts are sometimes accepted."""
     directory = head_dir if which == "trained" else _repeater(tmp_path / "repeater")
@@ -131,7 +137,6 @@ def test_eagle_drafts_match_a_dense_reference_and_greedy_outputs_are_identical(w
                 checked += 1
         step += 1
     assert checked > 20
-    plain = _tokens(run(engine(**SMALL), _text_workload()))
     assert _tokens(done) == plain
     stats = eng.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0

@@ -60,6 +60,13 @@ def _untracked(shm: SharedMemory) -> SharedMemory:
     return shm
 
 
+def _unlink(shm: SharedMemory) -> None:
+    """Unlink an untracked segment: unlink() tells the resource tracker to forget it, so it is
+    registered back first (else the tracker prints a KeyError for every segment)."""
+    resource_tracker.register(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    shm.unlink()
+
+
 def write_blocks(pool: PagedKVCache, block_ids: list[int]) -> ShmHandle:
     """Copy `block_ids` of `pool` into a new shared memory segment."""
     blocks = gather_blocks(pool, jnp.asarray(padded_ids(block_ids)))
@@ -95,7 +102,7 @@ def read_blocks(handle: ShmHandle, pool: PagedKVCache, block_ids: list[int], fir
         }
     finally:
         shm.close()
-        shm.unlink()
+        _unlink(shm)
     expected = pool_fields(pool)
     if fields.keys() != expected.keys() or any(fields[n].dtype != a.dtype for n, a in expected.items()):
         raise ValueError(f"kv_transfer_params: blocks of {sorted(fields)} do not fit this engine's KV pool")
@@ -110,7 +117,7 @@ def release(handle: ShmHandle) -> bool:
     except FileNotFoundError:
         return False
     shm.close()
-    shm.unlink()
+    _unlink(shm)
     return True
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -38,6 +39,27 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 WATCH_INTERVAL_S = 0.1  # how often the process and its heartbeats are checked
 
 
+SOCKET_DIR_PREFIX = "jaxinfra-core-"  # + the frontend's pid: a killed frontend's folder is swept later
+
+
+def remove_stale_socket_dirs(root: str | None = None) -> None:
+    """Remove socket folders of frontends that are gone (killed before they could clean up)."""
+    for path in Path(root or tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*-*"):
+        pid = path.name[len(SOCKET_DIR_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone: what was in flight failed, nothing new is accepted."""
 
@@ -56,7 +78,8 @@ class CoreProcess:
     ) -> None:
         """`heartbeat_timeout`: seconds of silence, once the core has beaten, after which it is stuck."""
         self.heartbeat_timeout = heartbeat_timeout
-        self.dir: str | None = tempfile.mkdtemp(prefix="jaxinfra-core-")
+        remove_stale_socket_dirs()
+        self.dir: str | None = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self.input_addr, self.output_addr = f"ipc://{self.dir}/input", f"ipc://{self.dir}/output"
         self._sockets: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None
         self._encoder = msgspec.msgpack.Encoder()

@@ -20,6 +20,10 @@ from serve.sequence import Sequence
 from serve.spec_decode.verify_batch import verify_arrays
 from serve.step_data import SchedulerOutput
 
+# Rows of a verify step padded to at least this: the draft model's proposal loop over a single row hits
+# an XLA CPU slow path (measured 50 ms against 1.1 ms for two rows, default-draft, k = 3).
+VERIFY_MIN_ROWS = 2
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +94,15 @@ class InputBuilder:
         rows = table.rows(seqs)
         counts, starts, pending, num_tokens = sched.num_new, sched.num_computed, sched.num_pending, sched.num_tokens
         n_tok = int(counts.sum())
-        decode_only = int(counts.max(initial=0)) <= 1
-        # Decodes: one token per sequence slot; batches with a prompt chunk: a token bucket and a row bucket.
-        sb = fit(n_seq, self.seq_buckets if decode_only else self.mixed_seq_buckets)
-        tb = sb if decode_only else fit(n_tok, self.token_buckets)
+        most = int(counts.max(initial=0))
+        decode_only = most <= 1
+        # Decodes: one token per sequence slot; verify steps of decodes only: k + 1 per slot; batches
+        # with a prompt chunk: a token bucket and a row bucket.
+        k1 = 1 + (sched.draft_ids.shape[1] if sched.draft_ids is not None else 0)
+        per_row = 1 if decode_only else k1 if most <= k1 else 0
+        padded_rows = min(max(n_seq, VERIFY_MIN_ROWS), self.seq_buckets[-1]) if per_row > 1 else n_seq
+        sb = fit(padded_rows, self.seq_buckets if per_row else self.mixed_seq_buckets)
+        tb = sb * per_row if per_row else fit(n_tok, self.token_buckets)
         cu = np.zeros(sb + 1, np.int32)
         np.cumsum(counts, out=cu[1 : n_seq + 1])
         cu[n_seq + 1 :] = cu[n_seq]
@@ -126,7 +135,7 @@ class InputBuilder:
         logits_indices = np.zeros(sb, np.int32)
         logits_indices[:n_seq] = cu[1 : n_seq + 1] - 1
         out_pos = num_tokens - table.prompt_len[rows]
-        max_q_len = 1 if decode_only else tb
+        max_q_len = per_row or tb
         targets = None
         prompt_logprobs = False
         if num_steps == 1:

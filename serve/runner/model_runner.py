@@ -28,7 +28,7 @@ from serve.host_transfer import Layout, pack
 from serve.runner.batch import SlotTable
 from serve.runner.device_step import DeviceStep
 from serve.runner.inflight import InFlight
-from serve.runner.inputs import InputBuilder, StepBatch
+from serve.runner.inputs import VERIFY_MIN_ROWS, InputBuilder, StepBatch
 from serve.runner.sizing import buckets, fit
 from serve.spec_decode.draft_model import DraftModelRunner
 from serve.spec_decode.eagle import EagleRunner
@@ -292,6 +292,17 @@ class ModelRunner:
         ]
         return decode + mixed
 
+    def verify_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every shape a speculative verify step can have (none without speculation): the mixed shapes
+        (never a decode-only batch: a row with drafts brings up to k + 1 tokens), and k + 1 tokens per
+        sequence bucket slot when every row brings at most that many."""
+        k1 = self.num_speculative_tokens + 1
+        if k1 == 1:
+            return []
+        rows = [sb for sb in self.seq_buckets if sb >= min(VERIFY_MIN_ROWS, self.seq_buckets[-1])]
+        per_row = [(sb * k1, sb, w, k1) for sb in rows for w in self.width_buckets]
+        return [shape for shape in self.shapes() if shape[3] > 1] + per_row
+
     def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         """An empty batch of the given shape (what warm-up compiles)."""
         return self.inputs.dummy(tb, sb, width, q, num_steps)
@@ -311,11 +322,10 @@ class ModelRunner:
             batch.history = self.inputs.history([], sb)
             jobs.append(batch)
         k = self.num_speculative_tokens
-        for tb, sb, w, q in self.shapes() if k else ():
-            if q > 1:  # a verify step carries k + 1 tokens a row: never a decode-only batch
-                batch = self.dummy(tb, sb, w, q)
-                batch.spec = verify_arrays(np.zeros((0, k), np.int32), np.zeros(0, np.int32), sb)
-                jobs.append(batch)
+        for tb, sb, w, q in self.verify_shapes():
+            batch = self.dummy(tb, sb, w, q)
+            batch.spec = verify_arrays(np.zeros((0, k), np.int32), np.zeros(0, np.int32), sb)
+            jobs.append(batch)
         for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):
             self.dispatch(batch)
         jax.block_until_ready(self.kv_cache)

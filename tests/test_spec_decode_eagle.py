@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from serve_helpers import PRESET, engine, model, run
+from serve_helpers import PRESET, engine, model, prompts, run
 from test_spec_decode_engine import GREEDY, SMALL, _tokens, _workload
 
 from jaxinfra import load_tokenizer
@@ -21,7 +21,7 @@ from jaxinfra.models.eagle import EagleHead, head_config, load_eagle_head, save_
 from jaxinfra.train.config import build_run_config
 from jaxinfra.train.loop import train
 from pallas_kernels import DenseMetadata
-from serve import EngineArgs
+from serve import EngineArgs, SamplingParams
 
 K = 3
 
@@ -171,3 +171,12 @@ def test_a_head_for_another_width_is_refused(tmp_path):
     spec = {"method": "eagle", "model": str(tmp_path / "narrow"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="speculative_config.model is a head of width 32, the target's is 64"):
         EngineArgs(model=PRESET, speculative_config=spec)
+
+
+def test_a_resampled_step_feeds_the_head_its_own_inputs(tmp_path):
+    """A request with a repetition penalty resamples its step's logits; the head still reads the step's
+    packed inputs (not the resampler's), and outputs equal the engine's without speculation."""
+    spec = {"method": "eagle", "model": str(_repeater(tmp_path / "head")), "num_speculative_tokens": K}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+    work = {0: [("pen", prompts([20], seed=5)[0], params), ("plain", prompts([12], seed=6)[0], GREEDY)]}
+    assert _tokens(run(engine(**SMALL, speculative_config=spec), work)) == _tokens(run(engine(**SMALL), work))

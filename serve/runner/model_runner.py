@@ -235,8 +235,8 @@ class ModelRunner:
                 assert self.grammar is not None
                 self.grammar.fill(batch.grammar_rows, bitmask)  # while the forward pass runs
             bias = batch.bias or self.slots.bias(np.zeros(0, np.int32), sb)
-            buffers, layout = pack((batch.sampling, *batch.history, bitmask, *bias))
-            out, padded = self._resample(logits, buffers, layout=layout)
+            extra, extra_layout = pack((batch.sampling, *batch.history, bitmask, *bias))
+            out, padded = self._resample(logits, extra, layout=extra_layout)
         self.prev_tokens = padded
         self.inputs.dispatched(batch)
         return self._eagle_drafts(InFlight(batch, out, prompt, expert_counts=load), h, buffers, layout, prev, padded)

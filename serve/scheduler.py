@@ -293,6 +293,8 @@ class Scheduler:
             draft_ids=self.spec.draft_ids(scheduled, drafts) if self.spec is not None else None,
             may_draft=self.spec is not None and self.spec.may_draft(len(self.running)),
         )
+        if self.spec is not None:
+            self.spec.note(sched)
         self.num_steps_made += n > 0  # empty outputs are not dispatched: the numbers stay contiguous
         self.finished_ids = []
         made = sched.samples.astype(np.int32)

@@ -55,6 +55,7 @@ class Sequence:
         self.num_pending = 0
         self.block_ids: list[int] = []
         self.next_drafts: list[int] = []  # EAGLE: the drafts its last step made on device for the next
+        self.proposer_cache_whole = True  # every step of it ran the device proposer (its KV has no gap)
         self.block_hashes: list[bytes] = []  # keys of this sequence's full blocks, in order
         self.chain_uids: list[int] = []  # the cached block each full block's prefix resolves to (-1: none)
         self.finish_reason: str | None = None

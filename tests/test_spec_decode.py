@@ -99,26 +99,46 @@ def test_speculative_config_flag_reads_json():
         engine_args_from(build_parser().parse_intermixed_args(bad))
 
 
-def test_auto_off_drafts_while_few_run_and_stays_asynchronous_above():
+@pytest.mark.parametrize("device_proposer", [False, True])
+def test_auto_off_drafts_while_few_run_and_stays_asynchronous_above(device_proposer):
     """disable_by_batch_size: above it no drafts and no host sync (the step after a step still on the
-    device is scheduled at once); at or below it, drafts again, after a sync."""
+    device is scheduled at once); at or below it, drafts again, after a sync. A device proposer skips
+    the steps above it, so their sequences draft no more (a gap in its cache); one admitted later does."""
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    sched = Scheduler(BlockManager(64, 4), 8, 64, proposer=DraftSlots(2), disable_spec_above=2)
-    seqs = [Sequence(f"r{i}", 0, [1, 2, 3, 4, 5], params, 0) for i in range(3)]
+    ngram = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2)
+    proposer = DraftSlots(2) if device_proposer else NgramProposer(ngram)
+    sched = Scheduler(BlockManager(64, 4), 8, 64, proposer=proposer, disable_spec_above=2)
+    seqs = [Sequence(f"r{i}", 0, [1, 2, 3, 1, 2], params, 0) for i in range(3)]
     for seq in seqs:
         sched.add(seq)
-    assert sched.schedule().draft_ids is None  # the prompts
+    out = sched.schedule()  # the prompts
+    assert out.draft_ids is None and not out.may_draft
     assert [s.num_pending for s in seqs] == [1, 1, 1] and not sched.needs_sync()  # 3 run: speculation off
     out = sched.schedule()  # decodes of the tokens still on the device
     assert out.draft_ids is None and out.num_new.tolist() == [1, 1, 1]
     sched.remove(seqs[2])
     assert sched.needs_sync()  # 2 run: drafts come from tokens on the host
     for seq in seqs[:2]:
-        seq.tokens += [7, 8]
+        seq.tokens += [3, 1]  # "3 1" occurred before: the n-gram draft is "2 3"
         seq.num_pending = 0
     out = sched.schedule()
-    assert out.draft_ids is not None and (out.draft_ids >= 0).sum(axis=1).tolist() == [2, 2]
-    assert out.num_new.tolist() == [3, 3] and sched.needs_sync()
+    assert out.may_draft and sched.needs_sync()
+    if not device_proposer:
+        assert out.draft_ids is not None and out.draft_ids.tolist() == [[2, 3], [2, 3]]
+        assert out.num_new.tolist() == [3, 3]
+        return
+    assert out.draft_ids is None and out.num_new.tolist() == [1, 1]  # gapped: no drafts
+    sched.remove(seqs[1])
+    late = Sequence("r3", 0, [4, 5, 6], params, 0)
+    sched.add(late)
+    seqs[0].tokens.append(9)
+    seqs[0].num_pending = 0
+    assert sched.schedule().num_new.tolist() == [1, 3]  # seqs[0]'s decode, the late prompt
+    for seq in (seqs[0], late):
+        seq.tokens.append(7)
+        seq.num_pending = 0
+    out = sched.schedule()
+    assert out.draft_ids is not None and (out.draft_ids >= 0).sum(axis=1).tolist() == [0, 2]
 
 
 # ---- n-gram proposer ----------------------------------------------------------------------------

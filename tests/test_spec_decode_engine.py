@@ -71,3 +71,27 @@ def test_a_draft_model_refuses_what_it_cannot_serve_with(name, value):
     spec = {"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=f"EngineArgs.{name} must be 1 with speculative_config.method draft_model"):
         engine(**SMALL, speculative_config=spec, **{name: value})
+
+
+def test_auto_off_skips_the_draft_model_and_gapped_sequences_draft_no_more():
+    """disable_by_batch_size 2: while three run the draft model is not run (no mirror dispatched);
+    the two left after the first finishes have a gap in the draft's cache and draft nothing; a request
+    admitted later drafts, and the draft (the target itself) agrees with every token it verifies.
+    Nothing compiles after warm-up, speculating or not."""
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    a, b, c, d = prompts([9, 11, 13, 10], seed=4)
+    arrivals = {0: [("a", a, short), ("b", b, GREEDY), ("c", c, GREEDY)], 30: [("d", d, GREEDY)]}
+    spec = {"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    eng = engine(**SMALL, speculative_config=spec)
+    eng.core.runner.warmup()
+    compiled = eng.core.runner.num_compilations
+    draft = eng.core.runner.draft
+    mirrored, mirror = [], draft.mirror
+    draft.mirror = lambda *args: (mirrored.append(len(eng.core.scheduler.running)), mirror(*args))[1]
+    got = _tokens(run(eng, arrivals))
+    assert got == _tokens(run(engine(**SMALL), arrivals))
+    assert mirrored and max(mirrored) <= 2  # never with three running
+    assert eng.core.runner.num_compilations == compiled
+    counters = eng.stats().spec_decoding
+    assert counters is not None and 0 < counters.num_drafts <= -(-GREEDY.max_tokens // 2)  # "d" alone drafts
+    assert counters.num_accepted_tokens == counters.num_draft_tokens

@@ -212,6 +212,7 @@ class InputBuilder:
         )
         inputs = StepInputs(**columns, **self.work_tiles(cu, tables, kv_lens, tb, q))
         empty = np.zeros(0, np.int32)
-        sched = SchedulerOutput([], empty, empty, empty, empty, num_steps=num_steps)
+        # may_draft: warm-up compiles a device proposer's steps too
+        sched = SchedulerOutput([], empty, empty, empty, empty, num_steps=num_steps, may_draft=True)
         budget = np.zeros(sb, np.int32) if num_steps > 1 else None
         return StepBatch(sched, inputs, self.slots.sampling(empty, sb, empty), q, budget)

@@ -220,9 +220,10 @@ class ModelRunner:
             flight = InFlight(batch, out, (), num_emitted, load)
             return self._eagle_drafts(flight, h, buffers, layout, prev, self.prev_tokens)
         buffers, layout = pack((batch.inputs, batch.sampling))
-        if self.draft is not None or self.eagle is not None:
+        proposer = batch.sched.may_draft and (self.draft is not None or self.eagle is not None)
+        if proposer:  # auto-off (may_draft false) skips the proposer: the scheduler stops drafting for these rows
             buffers = jax.device_put(buffers)
-        if self.draft is not None:  # the draft's pool mirrors the target's
+        if proposer and self.draft is not None:  # the draft's pool mirrors the target's
             self.draft.mirror(buffers, layout, self.prev_tokens, batch.max_q_len)
         prev = self.prev_tokens
         out, padded, logits, prompt, self.kv_cache, load, *h = self._step(
@@ -245,7 +246,7 @@ class ModelRunner:
         self, flight: InFlight, h: list, buffers: Any, layout: Layout, prev: jax.Array, last: jax.Array
     ) -> InFlight:
         """With an EAGLE head: its drafts for the next step, made from this step's hidden states."""
-        if self.eagle is None:
+        if self.eagle is None or not flight.batch.sched.may_draft:
             return flight
         batch = flight.batch
         rows = self.eagle.row_columns(batch.sched, batch.inputs.kv_lens.shape[0], self.max_model_len)
@@ -259,7 +260,6 @@ class ModelRunner:
             last,
             flight.num_emitted,
             rows,
-            batch.sched.may_draft,
         )
         return flight
 

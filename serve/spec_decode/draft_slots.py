@@ -14,6 +14,7 @@ class DraftSlots:
         self.k = k
 
     lookahead = 0  # KV slots a step needs past its own tokens
+    has_cache = True  # the draft's KV pool must hold every position to draft well
 
     def propose_seqs(self, seqs: list[Sequence], max_new: list[int]) -> list[list[int]]:
         """Stand-in drafts, as NgramProposer.propose_seqs: min(k, room) per row."""

@@ -9,8 +9,8 @@ own predicted features. Those k positions are written ahead of the row's tokens 
 allocates `lookahead` = k slots past each step for them); the next step's flat pass rewrites them
 with the target's features. The drafts come back with the step's results and the scheduler hands
 them to the next step as n-gram drafts are (greedy: a one-hot proposal, so outputs keep the target's
-distribution). Decode loops (speculation auto-off) skip the head: drafting resumes with a gap in its
-cache, which costs acceptance, never correctness.
+distribution). With speculation auto-off (too many running) the head is skipped, and the sequences of
+such steps draft no more (SpecScheduling.note): their head caches have a gap.
 """
 
 from __future__ import annotations
@@ -52,14 +52,12 @@ class EagleStep:
         last,
         num_emitted,
         rows,
-        may_draft,
         *,
         layout,
         max_q_len,
     ):
-        """Drafts [S, k] (-1 for rows that did not sample, all -1 unless `may_draft`) and the head's
-        pool. `rows` [2, S]: each row's next prompt token if its prompt goes on (-1: it sampled) and
-        its slot limit."""
+        """Drafts [S, k] (-1 for rows that did not sample) and the head's pool. `rows` [2, S]: each
+        row's next prompt token if its prompt goes on (-1: it sampled) and its slot limit."""
         self.target._traced()
         inputs, _, *spec = unpack(buffers, layout)
         model, _ = self.target._model(target_weights)  # embedding and LM head (the layers go unused)
@@ -93,8 +91,7 @@ class EagleStep:
             return token, out[0], drafts.at[:, j].set(jnp.where(active, token, -1)), pool
 
         init = (row_next, h[last_index], jnp.full((s, self.k), -1, jnp.int32), pool)
-        # with speculation off (auto-off) only the flat pass runs: the cache stays complete
-        return jax.lax.cond(may_draft, lambda: jax.lax.fori_loop(0, self.k, body, init)[2:], lambda: (init[2], init[3]))
+        return jax.lax.fori_loop(0, self.k, body, init)[2:]
 
 
 class EagleRunner:
@@ -140,7 +137,6 @@ class EagleRunner:
         last: jax.Array,
         num_emitted: jax.Array | None,
         rows: np.ndarray,
-        may_draft: bool,
     ) -> jax.Array:
         """The next step's drafts [S, k] on device (see EagleStep.propose)."""
         drafts, self.kv_cache = self._propose(
@@ -153,7 +149,6 @@ class EagleRunner:
             last,
             num_emitted,
             rows,
-            np.bool_(may_draft),
             layout=layout,
             max_q_len=max_q_len,
         )

@@ -12,6 +12,7 @@ class EagleDrafts:
     def __init__(self, k: int) -> None:
         self.k = k
         self.lookahead = k  # KV slots past a step's tokens: the head writes its drafts' there
+        self.has_cache = True  # the head's KV pool must hold every position to draft well
 
     def propose_seqs(self, seqs: list[Sequence], max_new: list[int]) -> list[list[int]]:
         """Each row's device-made drafts, at most max_new[b] (as NgramProposer.propose_seqs)."""

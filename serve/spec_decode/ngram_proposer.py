@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 from jaxtyping import Int
-from numpy.lib.stride_tricks import sliding_window_view
 
 from serve.sequence import Sequence
 from serve.spec_decode.config import SpeculativeConfig
@@ -25,6 +24,7 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.k = config.num_speculative_tokens
         self.lookahead = 0  # KV slots a step needs past its own tokens
+        self.has_cache = False  # drafts come from the token history alone
 
     def propose(
         self,
@@ -36,22 +36,18 @@ class NgramProposer:
         at most max_new[b] per row (room left before max_model_len / max_tokens)."""
         b, width = tokens.shape
         num_tokens = np.asarray(num_tokens, np.int64)
-        start = np.zeros(b, np.int64)  # where the continuation begins
-        found = np.zeros(b, bool)
-        rows = np.arange(b)
-        for n in range(min(self.max_n, width - 1), self.min_n - 1, -1):
-            todo = ~found & (num_tokens > n)
-            if not todo.any():
-                continue
-            suffix_at = np.maximum(num_tokens - n, 0)[:, None] + np.arange(n)
-            suffix = tokens[rows[:, None], suffix_at]  # [B, n]
-            windows = sliding_window_view(tokens, n, axis=1)  # [B, L-n+1, n]
-            starts = np.arange(windows.shape[1])
-            hit = (windows == suffix[:, None, :]).all(axis=-1) & (starts[None, :] + n < num_tokens[:, None])
-            hit &= todo[:, None]
-            matched = hit.any(axis=1)
-            start[matched] = hit[matched].argmax(axis=1) + n
-            found |= matched
+        # length[b, e]: how many tokens ending at e equal the history's suffix (at most max_n), for
+        # ends e that a continuation follows within the history; one pass per suffix position
+        run = np.arange(width)[None, :] < num_tokens[:, None] - 1
+        length = np.zeros((b, width), np.int32)
+        for j in range(min(self.max_n, width - 1)):
+            last = tokens[np.arange(b), np.maximum(num_tokens - 1 - j, 0)]
+            run[:, :j] = False  # the n-gram would start before the history
+            run[:, j:] &= tokens[:, : width - j] == last[:, None]
+            length += run
+        best = length.max(axis=1, initial=0)  # the longest suffix n-gram that occurred before
+        found = best >= self.min_n
+        start = (length >= np.maximum(best, 1)[:, None]).argmax(axis=1) + 1  # its earliest occurrence's end + 1
         limit = num_tokens if max_new is None else np.minimum(num_tokens, start + np.asarray(max_new))
         at = start[:, None] + np.arange(self.k)
         valid = found[:, None] & (at < limit[:, None])

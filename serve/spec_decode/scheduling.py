@@ -59,10 +59,26 @@ class SpecScheduling:
             return {}
         if not all(plain_sampling(s) for s in (*running, *waiting)):
             return {}
-        decodes = [s for s in running if s.num_computed_tokens == len(s.tokens) - 1 and not s.num_pending]
+        decodes = [
+            s
+            for s in running
+            if s.num_computed_tokens == len(s.tokens) - 1
+            and not s.num_pending
+            and (s.proposer_cache_whole or not self.proposer.has_cache)
+        ]
         room = [max(min(budget(s) - 1, self.max_model_len - s.num_tokens - 1), 0) for s in decodes]
         proposed = self.proposer.propose_seqs(decodes, room)
         return {s.seq_id: d for s, d in zip(decodes, proposed) if d}
+
+    def note(self, sched: SchedulerOutput) -> None:
+        """With auto-off a device proposer skips the step (no draft KV written): the sequences in it
+        draft no more until a preemption recomputes them (their caches would have a gap). Called
+        before the step's tokens are counted computed."""
+        for seq in sched.seqs:
+            if seq.num_computed_tokens == seq.num_cached_tokens:  # admitted: its KV is computed afresh
+                seq.proposer_cache_whole = True
+            if not sched.may_draft:
+                seq.proposer_cache_whole = False
 
     def lookahead(self, seq: Sequence, n: int) -> int:
         """KV slots past a step's `n` tokens that the proposer writes (EAGLE's drafts), within max_model_len."""

@@ -37,15 +37,15 @@ test: lint
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) --nbmake tests notebooks
 
 # Kernel tests (Pallas interpret mode) on Python 3.12 with the newest jax, as on the GPU machine.
-$(VENV_NEWEST)/.installed: pyproject.toml
+$(VENV_NEWEST)/.installed: pyproject.toml Makefile
 	test -x $(VENV_NEWEST)/bin/python || $(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade jax jaxtyping numpy pytest
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade jax jaxtyping numpy pytest pytest-xdist
 	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 test-kernels-newest: $(VENV_NEWEST)/.installed
 	$(VENV_NEWEST)/bin/python -c "import jax; print('newest-jax venv: jax', jax.__version__)"
-	$(VENV_NEWEST)/bin/python -m pytest -q -p no:cacheprovider tests/kernels
+	$(VENV_NEWEST)/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/kernels
 
 ci: test test-kernels-newest

@@ -104,9 +104,10 @@ def main() -> None:
         for eng in engines.values():
             run_batch(eng, prompts, max_tokens)  # compiles this batch's shapes
         runs: dict[str, list[dict]] = {mode: [] for mode in engines}
-        for _ in range(args.repeats):  # engines interleaved: a busy spell on a shared machine hits them all
-            for mode, eng in engines.items():
-                runs[mode].append(run_batch(eng, prompts, max_tokens))
+        order = list(engines)
+        for r in range(args.repeats):  # interleaved, so a busy spell hits them all; who goes first rotates
+            for mode in order[r % len(order) :] + order[: r % len(order)]:
+                runs[mode].append(run_batch(engines[mode], prompts, max_tokens))
         res = {mode: min(rs, key=lambda r: r["tpot_ms"]) for mode, rs in runs.items()}
         row: dict = {"batch": b, "tpot_ms_off": res["off"]["tpot_ms"], "tokens_per_s_off": res["off"]["tokens_per_s"]}
         line = f"batch {b:3d}: TPOT off {row['tpot_ms_off']:.1f} ms"

@@ -27,9 +27,10 @@ from serve.expert_load import ExpertLoad
 from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
-from serve.loop_stream import LoopTokenStream, device_tap
+from serve.loop_stream import LoopTokenStream, device_tap, streams_in_loop
+from serve.request_state import CoreRequest
 from serve.runner import InFlight, ModelRunner
-from serve.scheduler import CoreRequest, Scheduler, streams_in_loop
+from serve.scheduler import Scheduler
 from serve.sequence import Sequence
 from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer, SpeculativeConfig
 from serve.step_data import SchedulerOutput

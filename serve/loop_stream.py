@@ -28,6 +28,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from serve.core_types import EngineCoreOutput, EngineCoreOutputs
+from serve.sequence import Sequence
 
 # A streamed row: (request id, sequence index, the loop token that ends it by max_tokens or max_model_len,
 # 0 if none), None for one that is not streamed
@@ -179,3 +180,10 @@ def _trim(out: EngineCoreOutput, streamed: int, ended: set[tuple[str, int]]) -> 
         or out.first_scheduled is not None
         or out.kv_transfer_params is not None
     )
+
+
+def streams_in_loop(seq: Sequence, num_computed: int) -> bool:
+    """A decode loop streams this row's tokens as made (when its tokens are streamed at all): tokens
+    without logprobs (the tap carries none), past the first (`num_computed`, before the loop, covers the
+    prompt: a first token comes with the step's results, which carry what a first output says)."""
+    return seq.params.logprobs is None and num_computed >= seq.prompt_len

@@ -14,35 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from serve.core_types import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from serve.core_types import EngineCoreOutput
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.base import KVConnectorBase
+from serve.loop_stream import streams_in_loop
+from serve.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
 from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer
 from serve.spec_decode.scheduling import SpecScheduling
-from serve.step_data import LogprobArrays, SchedulerOutput, StepResult
-
-Logprob = tuple[float, np.ndarray, np.ndarray]  # one position's: log p(token), top ids, top logprobs
-
-
-@dataclasses.dataclass
-class CoreRequest:
-    request: EngineCoreRequest
-    seqs: list[Sequence]
-    pending: list[Sequence]  # siblings (n > 1) admitted once the first has prefilled the prompt
-
-    @property
-    def finished(self) -> bool:
-        return not self.pending and all(s.is_finished for s in self.seqs)
+from serve.step_data import SchedulerOutput, StepResult
 
 
 def _rank(seq: Sequence) -> Any:
     return seq.rank
-
-
-def token_logprobs(token: int, lp: Logprob, k: int) -> TokenLogprobs:
-    return TokenLogprobs(int(token), float(lp[0]), lp[1][:k].tolist(), lp[2][:k].tolist())
 
 
 class Scheduler:
@@ -320,7 +305,7 @@ class Scheduler:
             offsets = np.concatenate([[0], np.cumsum(sched.num_new)])
             for i, seq in enumerate(sched.seqs):
                 if seq.wants_prompt_logprobs:
-                    self._collect_prompt_logprobs(
+                    collect_prompt_logprobs(
                         seq,
                         res.prompt_logprobs,
                         int(sched.num_computed[i]),
@@ -353,18 +338,6 @@ class Scheduler:
             else:
                 if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
                     self.bm.cache_full_blocks(seq)
-
-    def _collect_prompt_logprobs(self, seq: Sequence, prompt: LogprobArrays, start: int, n: int, offset: int) -> None:
-        k = seq.params.prompt_logprobs or 0
-        if not seq.prompt_logprobs:
-            seq.prompt_logprobs = [None]
-        for j in range(start, start + n):
-            if j + 1 >= seq.prompt_len or len(seq.prompt_logprobs) != j + 1:
-                continue  # past the prompt, or already collected before a preemption
-            row = offset + j - start
-            seq.prompt_logprobs.append(
-                token_logprobs(seq.tokens[j + 1], (prompt[0][row], prompt[1][row], prompt[2][row]), k)
-            )
 
     def _append_plain(self, seq: Sequence, token: int, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
         """`_append`'s common case at a few attribute reads: a started sequence without a grammar takes
@@ -425,10 +398,3 @@ class Scheduler:
             for sib in reversed(req.pending):
                 self.add(sib, front=True)
             req.pending = []
-
-
-def streams_in_loop(seq: Sequence, num_computed: int) -> bool:
-    """A decode loop streams this row's tokens as made (when its tokens are streamed at all): tokens
-    without logprobs (the tap carries none), past the first (`num_computed`, before the loop, covers the
-    prompt: a first token comes with the step's results, which carry what a first output says)."""
-    return seq.params.logprobs is None and num_computed >= seq.prompt_len

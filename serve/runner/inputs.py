@@ -20,9 +20,9 @@ from serve.sequence import Sequence
 from serve.spec_decode.verify_batch import verify_arrays
 from serve.step_data import SchedulerOutput
 
-# Rows of a verify step padded to at least this: the draft model's proposal loop over a single row hits
-# an XLA CPU slow path (measured 50 ms against 1.1 ms for two rows, default-draft, k = 3).
-VERIFY_MIN_ROWS = 2
+# Rows of a verify step with a draft model padded to at least this: its proposal loop over a single row
+# hits an XLA CPU slow path (measured 50 ms against 1.1 ms for two rows, default-draft, k = 3).
+DRAFT_VERIFY_MIN_ROWS = 2
 
 
 @jax.tree_util.register_dataclass
@@ -75,6 +75,7 @@ class InputBuilder:
     width_buckets: list[int]
     attn_impl: str
     kernel_shape: tuple[int, int, bool]  # the Pallas kernel's (query heads per KV head, head dim, quantized KV)
+    verify_min_rows: int = 1  # a verify step's rows are padded to at least this many
     prev_row: np.ndarray = dataclasses.field(init=False)  # per slot: its row in the last dispatched step
 
     def __post_init__(self) -> None:
@@ -100,7 +101,7 @@ class InputBuilder:
         # with a prompt chunk: a token bucket and a row bucket.
         k1 = 1 + (sched.draft_ids.shape[1] if sched.draft_ids is not None else 0)
         per_row = 1 if decode_only else k1 if most <= k1 else 0
-        padded_rows = min(max(n_seq, VERIFY_MIN_ROWS), self.seq_buckets[-1]) if per_row > 1 else n_seq
+        padded_rows = min(max(n_seq, self.verify_min_rows), self.seq_buckets[-1]) if per_row > 1 else n_seq
         sb = fit(padded_rows, self.seq_buckets if per_row else self.mixed_seq_buckets)
         tb = sb * per_row if per_row else fit(n_tok, self.token_buckets)
         cu = np.zeros(sb + 1, np.int32)

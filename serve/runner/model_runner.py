@@ -28,7 +28,7 @@ from serve.host_transfer import Layout, pack
 from serve.runner.batch import SlotTable
 from serve.runner.device_step import DeviceStep
 from serve.runner.inflight import InFlight
-from serve.runner.inputs import VERIFY_MIN_ROWS, InputBuilder, StepBatch
+from serve.runner.inputs import DRAFT_VERIFY_MIN_ROWS, InputBuilder, StepBatch
 from serve.runner.sizing import buckets, fit
 from serve.spec_decode.draft_model import DraftModelRunner
 from serve.spec_decode.eagle import EagleRunner
@@ -161,6 +161,7 @@ class ModelRunner:
             self.width_buckets,
             self.attn_impl,
             (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
+            DRAFT_VERIFY_MIN_ROWS if self.draft is not None else 1,
         )
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
         self.prev_tokens = self._no_prev  # the last single step's sampled tokens, on device
@@ -299,7 +300,7 @@ class ModelRunner:
         k1 = self.num_speculative_tokens + 1
         if k1 == 1:
             return []
-        rows = [sb for sb in self.seq_buckets if sb >= min(VERIFY_MIN_ROWS, self.seq_buckets[-1])]
+        rows = [sb for sb in self.seq_buckets if sb >= min(self.inputs.verify_min_rows, self.seq_buckets[-1])]
         per_row = [(sb * k1, sb, w, k1) for sb in rows for w in self.width_buckets]
         return [shape for shape in self.shapes() if shape[3] > 1] + per_row
 

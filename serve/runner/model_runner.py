@@ -170,6 +170,10 @@ class ModelRunner:
         self._multi = jax.jit(d.multi, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
         self._resample = jax.jit(d.resample, static_argnames=("layout",))
         self._verify = jax.jit(d.verify, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+        # with a draft model, it proposes and the target verifies in one call (one dispatch a step)
+        self._draft_verify = jax.jit(
+            self._draft_then_verify, donate_argnums=(1, 3), static_argnames=("layout", "max_q_len")
+        )
         self.grammar: GrammarCompiler | None = None  # set by the engine core with its first structured request
 
     @property
@@ -208,15 +212,16 @@ class ModelRunner:
             return InFlight(batch, out, (), expert_counts=load)
         if batch.spec is not None:
             buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
-            drafts = None
-            if self.draft is not None or self.eagle is not None:
+            if self.eagle is not None:
                 buffers = jax.device_put(buffers)  # sent once, read by both models
+            prev, static = self.prev_tokens, dict(layout=layout, max_q_len=batch.max_q_len)
             if self.draft is not None:
-                drafts = self.draft.propose(buffers, layout, self.prev_tokens, batch.max_q_len)
-            prev = self.prev_tokens
-            out, num_emitted, self.prev_tokens, self.kv_cache, load, *h = self._verify(
-                self.weights, self.kv_cache, buffers, self.prev_tokens, drafts, layout=layout, max_q_len=batch.max_q_len
-            )
+                verified, self.draft.kv_cache = self._draft_verify(
+                    self.weights, self.kv_cache, self.draft.weights, self.draft.kv_cache, buffers, prev, **static
+                )
+            else:
+                verified = self._verify(self.weights, self.kv_cache, buffers, prev, None, **static)
+            out, num_emitted, self.prev_tokens, self.kv_cache, load, *h = verified
             self.inputs.dispatched(batch)
             flight = InFlight(batch, out, (), num_emitted, load)
             return self._eagle_drafts(flight, h, buffers, layout, prev, self.prev_tokens)
@@ -242,6 +247,20 @@ class ModelRunner:
         self.prev_tokens = padded
         self.inputs.dispatched(batch)
         return self._eagle_drafts(InFlight(batch, out, prompt, expert_counts=load), h, buffers, layout, prev, padded)
+
+    def _draft_then_verify(
+        self, weights, kv_cache, draft_weights, draft_kv, buffers, prev_tokens, *, layout, max_q_len
+    ):
+        """A verify step with a draft model: its drafts (serve.spec_decode.draft_model), then the
+        target's verify step over them; returns the verify step's outputs and the draft's pool."""
+        assert self.draft is not None
+        drafts, draft_kv = self.draft.step.propose(
+            draft_weights, draft_kv, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
+        )
+        verified = self.device.verify(
+            weights, kv_cache, buffers, prev_tokens, drafts, layout=layout, max_q_len=max_q_len
+        )
+        return verified, draft_kv
 
     def _eagle_drafts(
         self, flight: InFlight, h: list, buffers: Any, layout: Layout, prev: jax.Array, last: jax.Array

@@ -120,20 +120,11 @@ class DraftModelRunner:
         )
         pool = self.kv_cache.k
         kernel_shape = (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype))
-        step = DraftStep(self.device, kernel_shape)
-        static = ("layout", "max_q_len")
-        self._mirror = jax.jit(step.mirror, donate_argnums=(1,), static_argnames=static)
-        self._propose = jax.jit(step.propose, donate_argnums=(1,), static_argnames=static)
+        self.step = DraftStep(self.device, kernel_shape)  # its `propose` runs inside the target's verify call
+        self._mirror = jax.jit(self.step.mirror, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
 
     def mirror(self, buffers: Any, layout: Any, prev_tokens: jax.Array, max_q_len: int) -> None:
         """A plain step's KV (packed inputs and sampling, as the target's step gets them)."""
         self.kv_cache = self._mirror(
             self.weights, self.kv_cache, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
         )
-
-    def propose(self, buffers: Any, layout: Any, prev_tokens: jax.Array, max_q_len: int) -> jax.Array:
-        """A verify step's drafts [S, k] on device (packed as the target's verify step gets them)."""
-        drafts, self.kv_cache = self._propose(
-            self.weights, self.kv_cache, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
-        )
-        return drafts

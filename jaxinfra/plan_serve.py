@@ -123,6 +123,18 @@ def weight_bytes(cfg: ModelConfig, quantization: str | None = None) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(build))))
 
 
+def eagle_head_bytes(cfg: ModelConfig) -> int:
+    """Bytes of an EAGLE head's own weights (fc, one layer, norm; it shares the target's embedding and
+    LM head), from shapes only. `cfg`: the head's shape."""
+    import jax
+    from flax import nnx
+
+    from jaxinfra.models.eagle import EagleHead
+
+    head = nnx.eval_shape(lambda: EagleHead(cfg, nnx.Rngs(0)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(head)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Device:
     """What the engine sees: `total` bytes of device memory (None: off GPU, where the pool takes
@@ -189,11 +201,10 @@ def plan(
         raise ValueError(f"quantization {args.quantization} rounds dense MLPs, not {cfg.model_type}'s experts")
     weights = weight_bytes(cfg, args.quantization) if weights is None else weights
     spec = args.speculative()
-    # a draft model's or EAGLE head's weights, and its KV pool of as many blocks, share the device (a
-    # head's count includes an embedding it shares with the target: an overestimate by vocab x hidden)
+    # a draft model's or EAGLE head's weights, and its KV pool of as many blocks, share the device
     draft = load_config(spec.model) if spec is not None and spec.method != "ngram" and spec.model else None
     if draft is not None:
-        weights += weight_bytes(draft)
+        weights += eagle_head_bytes(draft) if spec.method == "eagle" else weight_bytes(draft)
     utilization = args.gpu_memory_utilization
     limit = device.allocator_limit(utilization)
     usable = None if limit is None or device.total is None else min(limit, int(device.total * utilization))

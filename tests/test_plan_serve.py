@@ -13,9 +13,10 @@ from flax import nnx
 
 from jaxinfra.cli import main as cli_main
 from jaxinfra.config import ModelConfig
-from jaxinfra.loading import DEFAULT_MODEL, load_config, load_model
+from jaxinfra.loading import DEFAULT_EAGLE_NAME, DEFAULT_MODEL, load_config, load_model, model_dir
 from jaxinfra.models import LlamaModel
-from jaxinfra.plan_serve import GPUS, Device, Workload, plan, weight_bytes
+from jaxinfra.models.eagle import load_eagle_head
+from jaxinfra.plan_serve import GPUS, Device, Workload, eagle_head_bytes, plan, weight_bytes
 from pallas_kernels import PagedKVCache
 from serve.config import EngineArgs
 from serve.engine_core import EngineCore
@@ -191,3 +192,20 @@ def test_a_draft_models_pool_shares_the_kv_budget_in_engine_and_plan() -> None:
     allocated = sum(leaf.nbytes for pool in pools for leaf in jax.tree.leaves(pool))
     assert planned.num_blocks == core.block_manager.num_blocks < alone.num_blocks
     assert planned.kv_pool_bytes_per_device == allocated <= 5_000_000
+
+
+def test_an_eagle_heads_weights_are_planned_without_the_embedding_it_shares() -> None:
+    """plan-serve counts what the engine holds for a head: its fc, layer and norm (the embedding and LM
+    head are the target's), so a GPU plan with EAGLE leaves the blocks those bytes leave."""
+    cfg = load_config(DEFAULT_MODEL)
+    head = load_eagle_head(model_dir(DEFAULT_EAGLE_NAME), cfg)
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(head)))
+    head_cfg = load_config(model_dir(DEFAULT_EAGLE_NAME))
+    assert eagle_head_bytes(head_cfg) == held < weight_bytes(head_cfg)
+    spec = {"method": "eagle", "model": DEFAULT_EAGLE_NAME, "num_speculative_tokens": 3}
+    args = EngineArgs(model=str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4, compilation_cache_dir="")
+    gpu = Device("small", total=64_000_000, mem_fraction=0.9)
+    alone = plan("default", cfg, args, gpu, WORKLOAD)
+    eagle = plan("default", cfg, dataclasses.replace(args, speculative_config=spec), gpu, WORKLOAD)
+    assert eagle.weight_bytes_per_device == alone.weight_bytes_per_device + held
+

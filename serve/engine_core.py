@@ -122,6 +122,8 @@ class EngineCore:
     def stream_loops(self, stream: LoopTokenStream) -> None:
         """Stream decode loops' tokens through `stream` as they are made, so streams may loop too
         (before warm-up: the loop is traced with its tap)."""
+        if self.runner.num_compilations:
+            raise RuntimeError("EngineCore.stream_loops must be called before the first step is compiled")
         self.loop_stream = stream
         self.scheduler.stream_loops = True
         self.runner.device.loop_tap = device_tap(stream.tap, self.runner.device.mesh)

@@ -5,6 +5,7 @@ core driven as its process drives it gives streams the same tokens as single ste
 import dataclasses
 
 import numpy as np
+import pytest
 from serve_helpers import engine, prompts
 
 from serve import SamplingParams
@@ -115,6 +116,8 @@ def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
     msgs: list[EngineCoreOutputs] = []
     stream = LoopTokenStream(msgs.append)
     looped.core.stream_loops(stream)
+    with pytest.raises(RuntimeError, match="before the first step is compiled"):
+        singles.core.stream_loops(stream)  # its decode loop may already be traced without the tap
     loops = []
     dispatch = looped.core.runner.dispatch
     looped.core.runner.dispatch = lambda batch: loops.append(batch.sched.num_steps) or dispatch(batch)

@@ -208,4 +208,3 @@ def test_an_eagle_heads_weights_are_planned_without_the_embedding_it_shares() ->
     alone = plan("default", cfg, args, gpu, WORKLOAD)
     eagle = plan("default", cfg, dataclasses.replace(args, speculative_config=spec), gpu, WORKLOAD)
     assert eagle.weight_bytes_per_device == alone.weight_bytes_per_device + held
-

@@ -203,7 +203,7 @@ def plan(
     spec = args.speculative()
     # a draft model's or EAGLE head's weights, and its KV pool of as many blocks, share the device
     draft = load_config(spec.model) if spec is not None and spec.method != "ngram" and spec.model else None
-    if draft is not None:
+    if spec is not None and draft is not None:
         weights += eagle_head_bytes(draft) if spec.method == "eagle" else weight_bytes(draft)
     utilization = args.gpu_memory_utilization
     limit = device.allocator_limit(utilization)

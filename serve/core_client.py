@@ -33,6 +33,7 @@ from serve.core_types import (
     UtilityCall,
 )
 from serve.kv_budget import core_process_env
+from serve.pids import pid_alive
 
 STARTUP_TIMEOUT_S = 1800.0  # loading and compiling a big model can take long; death is noticed at once
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
@@ -46,18 +47,8 @@ def remove_stale_socket_dirs(root: str | None = None) -> None:
     """Remove socket folders of frontends that are gone (killed before they could clean up)."""
     for path in Path(root or tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*-*"):
         pid = path.name[len(SOCKET_DIR_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class EngineDeadError(RuntimeError):

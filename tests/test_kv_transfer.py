@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 from serve.kv_transfer.offers import OfferTable
-from serve.kv_transfer.shm_transport import ShmHandle, read_blocks, release, segment_exists, write_blocks
+from serve.kv_transfer.shm_transport import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    ShmHandle,
+    read_blocks,
+    release,
+    remove_orphans,
+    segment_exists,
+    write_blocks,
+)
 from tests.kv_transfer.pools import blocks_of, random_pool
 
 ROOT = Path(__file__).parent.parent
@@ -47,6 +56,29 @@ def test_shm_expired_offer_is_unlinked_and_pull_fails_cleanly():
     assert not segment_exists(handle.segment)
     with pytest.raises(FileNotFoundError):  # the decode side then recomputes
         read_blocks(handle, random_pool("bf16", 1), [4])
+
+
+def test_segments_of_a_killed_prefill_engine_are_swept_after_the_offer_timeout(tmp_path):
+    """A SIGKILLed prefill engine releases nothing: its segments (named by its pid) are unlinked by the
+    next connector's sweep once older than the offer timeout; a live engine's and young ones stay."""
+    handle = write_blocks(random_pool("bf16", 0), [2])
+    try:
+        assert handle.segment.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")
+        assert handle.segment not in remove_orphans(0.0)  # its creator (this process) is alive
+        assert os.path.exists(os.path.join(SHM_DIR, handle.segment))
+    finally:
+        release(handle)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # exited: no process has this id now
+    names = {"old, dead": f"{pid}-ab", "young, dead": f"{pid}-cd", "old, alive": f"{os.getpid()}-ef", "no pid": "x-ab"}
+    for what, name in names.items():
+        path = tmp_path / f"{SEGMENT_PREFIX}{name}"
+        path.write_bytes(b"kv")
+        if what != "young, dead":
+            os.utime(path, (0, 0))
+    assert remove_orphans(30.0, str(tmp_path)) == [f"{SEGMENT_PREFIX}{pid}-ab"]
+    left = {p.name[len(SEGMENT_PREFIX) :] for p in tmp_path.iterdir()}
+    assert left == {names["young, dead"], names["old, alive"], names["no pid"]}
 
 
 def test_shm_handle_mismatch_is_a_clear_error():

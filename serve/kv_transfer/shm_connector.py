@@ -35,7 +35,14 @@ from serve.kv_transfer.base import (
     SaveSpec,
 )
 from serve.kv_transfer.offers import OfferTable
-from serve.kv_transfer.shm_transport import ShmHandle, read_blocks, release, segment_exists, write_blocks
+from serve.kv_transfer.shm_transport import (
+    ShmHandle,
+    read_blocks,
+    release,
+    remove_orphans,
+    segment_exists,
+    write_blocks,
+)
 from serve.kv_transfer.stats import KVTransferStats
 
 
@@ -67,6 +74,7 @@ class SharedMemoryConnector(KVConnectorBase):
         self.loaded: set[str] = set()
         self.failed: set[str] = set()
         self.stats = KVTransferStats(role)
+        self.next_sweep = 0.0  # when to look for segments of killed prefill engines next
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -175,6 +183,9 @@ class SharedMemoryConnector(KVConnectorBase):
                 self.offers.pulled(request_id)
         for offer in self.offers.expire():
             release(offer.payload)
+        if time.monotonic() >= self.next_sweep:  # at start, then once an offer timeout
+            remove_orphans(self.offers.timeout_s)
+            self.next_sweep = time.monotonic() + self.offers.timeout_s
         offers, stats = self.offers, self.stats
         stats.blocks_offered, stats.blocks_pulled = offers.blocks_offered, offers.blocks_pulled
         stats.blocks_expired, stats.blocks_held = offers.blocks_expired, offers.num_held_blocks

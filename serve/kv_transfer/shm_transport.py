@@ -10,6 +10,8 @@ process, so a segment outlives the process that wrote it until it is pulled or e
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -21,6 +23,7 @@ import numpy as np
 
 from pallas_kernels import PagedKVCache
 from serve.kv_transfer.blocks import block_axis, gather_blocks, padded_ids, pool_fields, scatter_blocks
+from serve.pids import pid_alive
 
 ALIGN = 64  # each array starts on a cache line
 
@@ -54,6 +57,33 @@ class ShmHandle(msgspec.Struct):
             raise ValueError(f"kv_transfer_params: {e}") from e
 
 
+SEGMENT_PREFIX = "jaxinfra-kv-"
+SHM_DIR = "/dev/shm"  # where POSIX shared memory segments are files (Linux)
+
+
+def remove_orphans(older_than_s: float, root: str = SHM_DIR) -> list[str]:
+    """Unlink the segments of prefill engines that are gone (SIGKILLed: no exit handler released them)
+    and older than `older_than_s` (the offer timeout: no decode engine may still pull them). Returns
+    their names."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        pid = entry.name[len(SEGMENT_PREFIX) :].split("-")[0]
+        if not entry.name.startswith(SEGMENT_PREFIX) or not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        try:
+            if now - entry.stat().st_mtime > older_than_s:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except FileNotFoundError:
+            pass  # pulled meanwhile
+    return removed
+
+
 def _untracked(shm: SharedMemory) -> SharedMemory:
     """`shm` without the resource tracker's unlink at process exit (Python < 3.13 has no track=False)."""
     resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
@@ -76,7 +106,8 @@ def write_blocks(pool: PagedKVCache, block_ids: list[int]) -> ShmHandle:
     for name, a in arrays.items():
         specs.append(ArraySpec(name, a.dtype.name, list(a.shape), offset))
         offset += -(-a.nbytes // ALIGN) * ALIGN
-    shm = _untracked(SharedMemory(f"jaxinfra-kv-{uuid.uuid4().hex[:16]}", create=True, size=max(offset, 1)))
+    name = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"  # the creator's pid: see remove_orphans
+    shm = _untracked(SharedMemory(name, create=True, size=max(offset, 1)))
     try:
         for spec in specs:
             a = arrays[spec.field]

@@ -21,7 +21,8 @@ from jaxtyping import Array, Float, Int
 from safetensors.numpy import load_file, save_file
 
 from jaxinfra.config import ModelConfig
-from jaxinfra.models.llama import DecoderLayer, RMSNorm, _param
+from jaxinfra.models.layers import DecoderLayer, RMSNorm
+from jaxinfra.models.params import normal_param
 from pallas_kernels import AttentionMetadata, PagedKVCache
 
 EAGLE_ARCHITECTURE = "EagleLlamaForCausalLM"  # config.json's architectures entry for a head directory
@@ -39,7 +40,7 @@ class EagleHead(nnx.Module):
         """`cfg`: the head's shape (head_config of the target's)."""
         e = cfg.hidden_size
         self.cfg = cfg
-        self.fc = _param(rngs, (2 * e, e), ("mlp", "embed"), cfg.initializer_range, cfg.dtype)
+        self.fc = normal_param(rngs, (2 * e, e), ("mlp", "embed"), cfg.initializer_range, cfg.dtype)
         self.layer = DecoderLayer(cfg, rngs, attn_impl)
         self.norm = RMSNorm(e, cfg.rms_norm_eps, "embed", cfg.dtype)
 

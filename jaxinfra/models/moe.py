@@ -20,6 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.expert_parallel import RouterSums, expert_axes, expert_parallel_moe
+from jaxinfra.models.params import normal_param
 from pallas_kernels.grouped_matmul import grouped_matmul
 from sharding import constrain
 
@@ -173,11 +174,6 @@ def experts_ffn(
     return grouped_matmul(h, down, group_sizes)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float, dtype: str) -> nnx.Param:
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), logical_axes=axes)
-
-
 class MoE(nnx.Module):
     """Top-k routed SwiGLU experts, plus an optional always-on shared expert behind a sigmoid gate
     (Qwen2-MoE). Expert weights are stacked [experts, ...] for the grouped matmuls."""
@@ -185,13 +181,13 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, shared: nnx.Module | None = None) -> None:
         x, e, f, std, dt = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.initializer_range, cfg.dtype
         self.num_experts, self.top_k, self.normalize = x, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.router = _param(rngs, (e, x), ("embed", None), std, dt)
-        self.expert_gate = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), std, dt)
-        self.expert_up = _param(rngs, (x, e, f), ("experts", "embed", "mlp"), std, dt)
-        self.expert_down = _param(rngs, (x, f, e), ("experts", "mlp", "embed"), std, dt)
+        self.router = normal_param(rngs, (e, x), ("embed", None), std, dt)
+        self.expert_gate = normal_param(rngs, (x, e, f), ("experts", "embed", "mlp"), std, dt)
+        self.expert_up = normal_param(rngs, (x, e, f), ("experts", "embed", "mlp"), std, dt)
+        self.expert_down = normal_param(rngs, (x, f, e), ("experts", "mlp", "embed"), std, dt)
         self.shared = shared
         if shared is not None:
-            self.shared_gate = _param(rngs, (e,), ("embed",), std, dt)
+            self.shared_gate = normal_param(rngs, (e,), ("embed",), std, dt)
 
     def __call__(self, h: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
         weights = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxinfra.models.llama import DecoderLayer
+from jaxinfra.models.layers import DecoderLayer
 from jaxinfra.quant import calibration as cal
 from jaxinfra.quant.rtn import QuantScheme, fake_quant
 

@@ -23,7 +23,8 @@ from jaxinfra.data import load_documents
 from jaxinfra.data.pipeline import document_tokens
 from jaxinfra.data.sources import split_documents
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import MLP, DecoderLayer, row_positions
+from jaxinfra.models.layers import MLP, DecoderLayer
+from jaxinfra.models.llama import row_positions
 from jaxinfra.quant.qlinear import QuantizedLinear
 from jaxinfra.tokenizer import Tokenizer
 

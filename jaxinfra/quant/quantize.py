@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.llama import DecoderLayer
+from jaxinfra.models.layers import DecoderLayer
 from jaxinfra.quant import calibration as cal
 from jaxinfra.quant.awq import awq_layer
 from jaxinfra.quant.gptq import gptq, hessian

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfra.models.llama import DecoderLayer
+from jaxinfra.models.layers import DecoderLayer
 from jaxinfra.quant import calibration as cal
 
 

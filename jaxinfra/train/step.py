@@ -21,10 +21,10 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.models import LlamaModel, moe
+from jaxinfra.models.layers import fused_projections
 from jaxinfra.models.llama import (
     REMAT_POLICIES,
     LayerStack,
-    fused_projections,
     merge_params,
     row_positions,
     stack_layers,

@@ -74,6 +74,8 @@ class SpecScheduling:
         """With auto-off a device proposer skips the step (no draft KV written): the sequences in it
         draft no more until a preemption recomputes them (their caches would have a gap). Called
         before the step's tokens are counted computed."""
+        if not self.proposer.has_cache:  # n-gram drafts from the tokens alone: nothing to track
+            return
         for seq in sched.seqs:
             if seq.num_computed_tokens == seq.num_cached_tokens:  # admitted: its KV is computed afresh
                 seq.proposer_cache_whole = True

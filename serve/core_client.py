@@ -33,7 +33,7 @@ from serve.core_types import (
     UtilityCall,
 )
 from serve.kv_budget import core_process_env
-from serve.pids import pid_alive
+from serve.pids import creator_gone
 
 STARTUP_TIMEOUT_S = 1800.0  # loading and compiling a big model can take long; death is noticed at once
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
@@ -46,8 +46,7 @@ SOCKET_DIR_PREFIX = "jaxinfra-core-"  # + the frontend's pid: a killed frontend'
 def remove_stale_socket_dirs(root: str | None = None) -> None:
     """Remove socket folders of frontends that are gone (killed before they could clean up)."""
     for path in Path(root or tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*-*"):
-        pid = path.name[len(SOCKET_DIR_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
+        if creator_gone(path.name, SOCKET_DIR_PREFIX):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -1,4 +1,5 @@
-"""Whether a process id is alive: what the sweeps of files left by killed processes ask."""
+"""Whether a process id is alive, and whether a file named after its creator's pid has outlived it:
+what the sweeps of files left by killed processes ask."""
 
 from __future__ import annotations
 
@@ -14,3 +15,9 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def creator_gone(name: str, prefix: str) -> bool:
+    """A file named `<prefix><pid>-...` whose creating process (pid) no longer exists."""
+    pid = name[len(prefix) :].split("-")[0] if name.startswith(prefix) else ""
+    return pid.isdigit() and not pid_alive(int(pid))

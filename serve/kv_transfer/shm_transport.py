@@ -23,7 +23,7 @@ import numpy as np
 
 from pallas_kernels import PagedKVCache
 from serve.kv_transfer.blocks import block_axis, gather_blocks, padded_ids, pool_fields, scatter_blocks
-from serve.pids import pid_alive
+from serve.pids import creator_gone
 
 ALIGN = 64  # each array starts on a cache line
 
@@ -72,8 +72,7 @@ def remove_orphans(older_than_s: float, root: str = SHM_DIR) -> list[str]:
         return removed
     now = time.time()
     for entry in entries:
-        pid = entry.name[len(SEGMENT_PREFIX) :].split("-")[0]
-        if not entry.name.startswith(SEGMENT_PREFIX) or not pid.isdigit() or pid_alive(int(pid)):
+        if not creator_gone(entry.name, SEGMENT_PREFIX):
             continue
         try:
             if now - entry.stat().st_mtime > older_than_s:

@@ -12,7 +12,8 @@ import yaml
 from deploy_helpers import exported_series, metric_names
 
 from jaxinfra.loading import load_config
-from jaxinfra.plan_serve import GPUS, Device, Workload, plan
+from jaxinfra.plan_serve import GPUS, Device, plan
+from jaxinfra.workload import Workload
 from serve.autoscale import AutoscaleConfig
 from serve.config import EngineArgs
 

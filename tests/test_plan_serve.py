@@ -16,7 +16,8 @@ from jaxinfra.config import ModelConfig
 from jaxinfra.loading import DEFAULT_EAGLE_NAME, DEFAULT_MODEL, load_config, load_model, model_dir
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import load_eagle_head
-from jaxinfra.plan_serve import GPUS, Device, Workload, eagle_head_bytes, plan, weight_bytes
+from jaxinfra.plan_serve import GPUS, Device, eagle_head_bytes, plan, weight_bytes
+from jaxinfra.workload import Workload
 from pallas_kernels import PagedKVCache
 from serve.config import EngineArgs
 from serve.engine_core import EngineCore

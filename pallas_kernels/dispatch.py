@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels import cpu_paged_attention
 from pallas_kernels.attention_reference import mha_reference
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.metadata import (
@@ -99,14 +100,17 @@ def dot_product_attention(
     return _jax_nn_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla", **kwargs)
 
 
-PAGED_IMPLS: tuple[str, ...] = ("pallas", "xla", "reference")
+PAGED_IMPLS: tuple[str, ...] = ("pallas", "cpu", "xla", "reference")
 
 
 def paged_impl(impl: str | None) -> str:
-    """The paged-attention implementation `impl` names: by default our Pallas kernel on GPU and the
-    XLA formulation elsewhere (the jnp reference gathers whole tables and is kept as the oracle)."""
+    """The paged-attention implementation `impl` names: by default our Pallas kernel on GPU, our C++
+    kernel on CPU (the XLA formulation where it cannot be built), and the XLA formulation elsewhere
+    (the jnp reference gathers whole tables and is kept as the oracle)."""
     if impl is None:
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        return "cpu" if jax.default_backend() == "cpu" and cpu_paged_attention.available() else "xla"
     if impl not in PAGED_IMPLS:
         raise ValueError(f"paged attention impl must be one of {PAGED_IMPLS}, got {impl!r}")
     return impl
@@ -125,6 +129,16 @@ def _paged_kwargs(
     )
 
 
+def _cpu_kernel_takes(cache: PagedKVCache) -> bool:
+    """The C++ kernel reads float32 pools; quantized or narrower ones take the XLA formulation."""
+    return not cache.quantized and cache.k.dtype == jnp.float32
+
+
+def _variant(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The attention variant alone (what the CPU kernel takes): no scales, no max_q_len."""
+    return {key: kwargs[key] for key in ("sliding_window", "logit_softcap", "scale")}
+
+
 def ragged_attention(
     q: Float[Array, "N H D"],
     cache: PagedKVCache,
@@ -140,7 +154,9 @@ def ragged_attention(
     kwargs = _paged_kwargs(cache, sliding_window, logit_softcap, scale)
     kwargs["max_q_len"] = metadata.max_q_len
     args = (q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens)
-    if impl == "xla":
+    if impl == "cpu" and _cpu_kernel_takes(cache):
+        return cpu_paged_attention.ragged_paged_attention_cpu(*args, **_variant(kwargs))
+    if impl in ("xla", "cpu"):
         return ragged_paged_attention_xla(*args, plan=metadata.plan, **kwargs)
     if impl == "pallas":
         if metadata.max_q_len == 1:  # decode: split long contexts so few sequences still fill the device
@@ -169,6 +185,10 @@ def decode_attention(
     if impl == "reference":
         return paged_attention_reference(q, cache.k, cache.v, block_tables, context_lens, **kwargs)
     cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    if impl == "cpu" and _cpu_kernel_takes(cache):
+        return cpu_paged_attention.ragged_paged_attention_cpu(
+            q, cache.k, cache.v, block_tables, cu, context_lens, **_variant(kwargs)
+        )
     return ragged_paged_attention_xla(q, cache.k, cache.v, block_tables, cu, context_lens, max_q_len=1, **kwargs)
 
 

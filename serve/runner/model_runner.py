@@ -94,9 +94,11 @@ class ModelRunner:
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.num_scheduler_steps = num_scheduler_steps
         self.num_speculative_tokens = num_speculative_tokens
-        self.attn_impl = paged_impl(attn_impl)
         graphdef, self.state = nnx.split(model)
         dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
+        self.attn_impl = paged_impl(attn_impl)
+        if self.attn_impl == "cpu" and dtype != jnp.float32:  # the C++ kernel reads float32 pools only
+            self.attn_impl = "xla"  # what the attention layers run instead: its tile plans are built here
         # One pool for every layer, stacked on a leading layers axis: the layers run as one scan.
         self.kv_cache = PagedKVCache.zeros(
             num_blocks,

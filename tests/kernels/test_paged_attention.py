@@ -4,71 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernels.paged_pools import QUANTIZED, D, Pool, query_dtype, tolerance
 
-from pallas_kernels import PagedKVCache, quantize
+from pallas_kernels import PagedKVCache
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.paged_tiles import kernel_work_list, tile_plan
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla, tile_tokens
 from pallas_kernels.split_merge import merge_splits, merge_splits_reference
-
-D = 32
-QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-
-
-class Pool:
-    """A pool with shuffled, non-contiguous block tables; unowned blocks (and table padding) are
-    poisoned with NaN so any read of a block a sequence does not own shows up in its output."""
-
-    def __init__(self, lens, bs, kh, dtype, seed=0, extra_blocks=5, d=D):
-        rng = np.random.default_rng(seed)
-        pages = [-(-n // bs) for n in lens]
-        nb = sum(pages) + extra_blocks
-        self.mb = max(max(pages), 1) + 1  # one spare column of table padding
-        perm = rng.permutation(nb)
-        poison = perm[-1]
-        bt = np.full((len(lens), self.mb), poison, np.int32)
-        owned = np.zeros(nb, bool)
-        c = 0
-        for i, p in enumerate(pages):
-            bt[i, :p] = perm[c : c + p]
-            owned[perm[c : c + p]] = True
-            c += p
-        self.block_tables = jnp.asarray(bt)
-        k = rng.standard_normal((nb, bs, kh, d)).astype(np.float32)
-        v = rng.standard_normal((nb, bs, kh, d)).astype(np.float32)
-        self.kv_lens = jnp.asarray(lens, jnp.int32)
-        if dtype in QUANTIZED:
-            (kq, ks), (vq, vs) = (quantize(jnp.asarray(x).reshape(-1, kh, d), QUANTIZED[dtype]) for x in (k, v))
-            shape = (nb, bs, kh)
-            self.clean = dict(
-                k_pool=kq.reshape(k.shape),
-                v_pool=vq.reshape(v.shape),
-                k_scales=ks.reshape(shape),
-                v_scales=vs.reshape(shape),
-            )
-            bad = ~owned[:, None, None]
-            self.poisoned = dict(
-                self.clean,
-                k_scales=jnp.where(bad, jnp.nan, self.clean["k_scales"]),
-                v_scales=jnp.where(bad, jnp.nan, self.clean["v_scales"]),
-            )
-        else:
-            dt = jnp.dtype(dtype)
-            self.clean = dict(k_pool=jnp.asarray(k, dt), v_pool=jnp.asarray(v, dt))
-            bad = ~owned[:, None, None, None]
-            self.poisoned = dict(
-                k_pool=jnp.where(bad, jnp.nan, k).astype(dt), v_pool=jnp.where(bad, jnp.nan, v).astype(dt)
-            )
-
-
-def _tol(dtype):
-    return 2e-2 if dtype == "bfloat16" else 1e-5
-
-
-def _qdtype(dtype):
-    return jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
 
 
 @pytest.mark.parametrize(
@@ -84,12 +28,12 @@ def _qdtype(dtype):
 def test_decode_matches_reference(bs, h, kh, dtype, splits):
     lens = [1, 7, 33, 100, 0]  # partial last blocks; the 0 is a padding sequence
     pool = Pool(lens, bs, kh, dtype)
-    q = jax.random.normal(jax.random.key(1), (len(lens), h, D), _qdtype(dtype))
+    q = jax.random.normal(jax.random.key(1), (len(lens), h, D), query_dtype(dtype))
     kwargs = {k: v for k, v in pool.poisoned.items()}
     ours = paged_attention(q, block_tables=pool.block_tables, context_lens=pool.kv_lens, num_splits=splits, **kwargs)
     ref = paged_attention_reference(q, block_tables=pool.block_tables, context_lens=pool.kv_lens, **pool.clean)
     assert not np.isnan(np.asarray(ours, np.float32)).any()
-    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=tolerance(dtype))
     assert float(jnp.abs(ours[-1]).max()) == 0.0
 
 
@@ -110,7 +54,7 @@ def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window, softcap)
     pool = Pool(kv_lens, bs, kh, dtype, seed=2)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     n = sum(q_lens) + 7  # padding tokens at the end
-    q = jax.random.normal(jax.random.key(3), (n, h, D), _qdtype(dtype))
+    q = jax.random.normal(jax.random.key(3), (n, h, D), query_dtype(dtype))
     args = (pool.block_tables, cu, pool.kv_lens)
     ours = ragged_paged_attention(
         q,
@@ -133,7 +77,7 @@ def test_ragged_mixed_batch_matches_reference(bs, h, kh, dtype, window, softcap)
         **{k: v for k, v in pool.clean.items() if "scales" in k},
     )
     assert not np.isnan(np.asarray(ours, np.float32)).any()
-    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=tolerance(dtype))
     assert float(jnp.abs(ours[sum(q_lens) :]).max()) == 0.0
 
 
@@ -156,7 +100,7 @@ def test_xla_ragged_matches_reference(bs, h, kh, dtype, window, softcap, host_pl
     pool = Pool(kv_lens, bs, kh, dtype, seed=2)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     n = sum(q_lens) + 7
-    q = jax.random.normal(jax.random.key(3), (n, h, D), _qdtype(dtype))
+    q = jax.random.normal(jax.random.key(3), (n, h, D), query_dtype(dtype))
     args = (pool.block_tables, jnp.asarray(cu), pool.kv_lens)
     scales = {k: v for k, v in pool.poisoned.items() if "scales" in k}
     plan = (
@@ -184,7 +128,7 @@ def test_xla_ragged_matches_reference(bs, h, kh, dtype, window, softcap, host_pl
         **{k: v for k, v in pool.clean.items() if "scales" in k},
     )
     assert not np.isnan(np.asarray(ours, np.float32)).any()
-    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype))
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=tolerance(dtype))
     assert float(jnp.abs(ours[sum(q_lens) :]).max()) == 0.0
 
 
@@ -294,7 +238,7 @@ def test_merge_splits_matches_reference(dtype):
     want = merge_splits_reference(o, lse, dtype)
     assert got.dtype == dtype and float(jnp.abs(got[5]).max()) == 0.0
     np.testing.assert_allclose(
-        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=_tol(jnp.dtype(dtype).name)
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tolerance(jnp.dtype(dtype).name)
     )
     with pytest.raises(ValueError, match="lse"):
         merge_splits(o, lse[:, :5], dtype)

@@ -1,0 +1,218 @@
+// Ragged paged attention for CPUs, as an XLA FFI custom call (the CPU serving path).
+//
+// Same contract as ragged_paged_attention_reference (float32 pools): sequence s owns new tokens
+// cu_q_lens[s]:cu_q_lens[s+1] of the flat batch and kv_lens[s] keys (new ones included); its new
+// token i sees key positions <= kv_len - q_len + i (and within the sliding window, if any); tokens
+// past cu_q_lens[S] return zeros. Keys and values are read in place from the pools, a page at a
+// time, with an online softmax: nothing is gathered or copied, which is what the XLA formulation
+// spends most of its time on. Work units (sequence, KV head, block of query tokens) are shared
+// between the caller and XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kQueryBlock = 8;  // new tokens of one sequence per work unit (prefill chunks)
+constexpr int64_t kUnitsPerGrab = 4;  // units a worker takes at once from the shared counter
+
+struct Unit {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t first;  // flat index of the unit's first new token
+  int32_t count;  // its new tokens
+};
+
+struct Job {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* block_tables;
+  const int32_t* kv_lens;
+  const int32_t* cu;
+  float* out;
+  int64_t heads, kv_heads, group, dim, num_blocks, block_size, max_blocks;
+  float scale, softcap;
+  int64_t window;
+  std::vector<Unit> units;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable finished;
+};
+
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One unit: rows (token, query head of the KV group) attend over their sequence's pages.
+void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
+  const int64_t g = job.group, d = job.dim, bs = job.block_size;
+  const int64_t rows = u.count * g;
+  const int32_t q_len = job.cu[u.seq + 1] - job.cu[u.seq];
+  const int32_t kv_len = job.kv_lens[u.seq];
+  const int64_t first_pos = int64_t{kv_len} - q_len + (u.first - job.cu[u.seq]);
+  const int64_t last_pos = std::min<int64_t>(first_pos + u.count - 1, job.max_blocks * bs - 1);
+  scratch.resize(rows * (d + 2 + bs));
+  float* acc = scratch.data();
+  float* m = acc + rows * d;
+  float* l = m + rows;
+  float* s = l + rows;  // [rows, bs] scores of one page
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  if (last_pos < 0) return;
+  int64_t lo = 0;
+  if (job.window > 0) lo = std::max<int64_t>(0, first_pos - job.window + 1);
+  const int32_t* table = job.block_tables + int64_t{u.seq} * job.max_blocks;
+  for (int64_t page = lo / bs; page <= last_pos / bs; ++page) {
+    const int64_t block = std::clamp<int64_t>(table[page], 0, job.num_blocks - 1);
+    const int64_t keys = std::min<int64_t>(bs, last_pos - page * bs + 1);
+    const float* kp = job.k + (block * bs * job.kv_heads + u.kv_head) * d;
+    const float* vp = job.v + (block * bs * job.kv_heads + u.kv_head) * d;
+    const int64_t stride = job.kv_heads * d;  // between consecutive keys of one head
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r / g;
+      const int64_t pos = first_pos + t;
+      const float* qr = job.q + ((u.first + t) * job.heads + u.kv_head * g + r % g) * d;
+      float* sr = s + r * bs;
+      float page_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < keys; ++j) {
+        const int64_t p = page * bs + j;
+        const bool visible = p <= pos && (job.window <= 0 || pos - p < job.window);
+        float x = -std::numeric_limits<float>::infinity();
+        if (visible) {
+          x = Dot(qr, kp + j * stride, d) * job.scale;
+          if (job.softcap > 0.f) x = job.softcap * std::tanh(x / job.softcap);
+        }
+        sr[j] = x;
+        page_max = std::max(page_max, x);
+      }
+      if (page_max == -std::numeric_limits<float>::infinity()) continue;
+      const float m_new = std::max(m[r], page_max);
+      const float corr = std::exp(m[r] - m_new);  // 0 while m[r] is -inf
+      float* ar = acc + r * d;
+      float sum = l[r] * corr;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
+      for (int64_t j = 0; j < keys; ++j) {
+        if (sr[j] == -std::numeric_limits<float>::infinity()) continue;
+        const float p = std::exp(sr[j] - m_new);
+        sum += p;
+        const float* vr = vp + j * stride;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ar[i] += p * vr[i];
+      }
+      m[r] = m_new;
+      l[r] = sum;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / g;
+    float* o = job.out + ((u.first + t) * job.heads + u.kv_head * g + r % g) * d;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
+  }
+}
+
+// Take units from the shared counter until none are left.
+void Work(Job& job) {
+  std::vector<float> scratch;
+  const int64_t n = static_cast<int64_t>(job.units.size());
+  for (;;) {
+    const int64_t start = job.next.fetch_add(kUnitsPerGrab);
+    if (start >= n) return;
+    const int64_t stop = std::min(n, start + kUnitsPerGrab);
+    for (int64_t i = start; i < stop; ++i) RunUnit(job, job.units[i], scratch);
+    if (job.done.fetch_add(stop - start) + (stop - start) == n) {
+      std::lock_guard<std::mutex> lock(job.mu);
+      job.finished.notify_all();
+    }
+  }
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
+                                ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
+                                int64_t window, float softcap, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = k_pool.dimensions();
+  auto td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || cu_q_lens.element_count() != td[0] + 1 ||
+      kv_lens.element_count() != td[0] || kd[3] != qd[2] || v_pool.element_count() != k_pool.element_count()) {
+    return ffi::Error::InvalidArgument("ragged paged attention: inconsistent operand shapes");
+  }
+  auto job = std::make_shared<Job>();
+  job->q = q.typed_data();
+  job->k = k_pool.typed_data();
+  job->v = v_pool.typed_data();
+  job->block_tables = block_tables.typed_data();
+  job->kv_lens = kv_lens.typed_data();
+  job->cu = cu_q_lens.typed_data();
+  job->out = out->typed_data();
+  const int64_t n = qd[0];
+  job->heads = qd[1];
+  job->dim = qd[2];
+  job->num_blocks = kd[0];
+  job->block_size = kd[1];
+  job->kv_heads = kd[2];
+  if (job->kv_heads <= 0 || job->heads % job->kv_heads) {
+    return ffi::Error::InvalidArgument("ragged paged attention: query heads must be a multiple of KV heads");
+  }
+  job->group = job->heads / job->kv_heads;
+  job->max_blocks = td[1];
+  job->scale = scale;
+  job->window = window;
+  job->softcap = softcap;
+  std::memset(job->out, 0, sizeof(float) * out->element_count());
+  const int64_t seqs = td[0];
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t a = std::clamp<int64_t>(job->cu[s], 0, n), b = std::clamp<int64_t>(job->cu[s + 1], a, n);
+    for (int64_t t = a; t < b; t += kQueryBlock) {
+      for (int64_t h = 0; h < job->kv_heads; ++h) {
+        job->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(t),
+                              static_cast<int32_t>(std::min(kQueryBlock, b - t))});
+      }
+    }
+  }
+  const int64_t units = static_cast<int64_t>(job->units.size());
+  if (units == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), (units + kUnitsPerGrab - 1) / kUnitsPerGrab) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work(*job); });
+  Work(*job);
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->finished.wait(lock, [&] { return job->done.load() == units; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinfraRaggedPagedAttention, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	$(VENV)/bin/python -m pallas_kernels.cpu_paged_attention
 	touch $@
 
 # The main job: the OpenAI-compatible server on the embedded default model (prints how to query it).

@@ -39,6 +39,14 @@ def test_paged_attention_benchmark_quick(tmp_path):
     assert result["prefill"][0]["flash_us"] > 0  # timed against our flash forward at the same shape
 
 
+def test_cpu_paged_attention_benchmark_quick(tmp_path):
+    r = _run_quick("cpu_paged_attention", tmp_path)
+    result = json.loads((tmp_path / "cpu_paged_attention.json").read_text())
+    impls = {row["impl"] for row in result["rows"]}
+    assert impls == {"cpu", "xla", "jnp_gather"} and all(row["ms"] > 0 for row in result["rows"])
+    assert result["copy_gbs"] > 0 and "vs xla" in r.stdout and (tmp_path / "cpu_paged_attention.png").is_file()
+
+
 def test_decode_bandwidth_targets():
     from benchmarks.paged_attention import bandwidth_target
 

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import jax
 
@@ -15,6 +16,9 @@ from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer, per_device_bytes  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from sharding_meshes import MESHES  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=256,
@@ -72,11 +76,10 @@ def indivisible_refused() -> str:
 
 def main():
     presets = sys.argv[1].split(",")
-    meshes = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]
     ref_loss, ref_grads, ref_losses, _, _ = run((1, 1, 1), "dp")
     report = {"ref_losses": ref_losses, "runs": []}
     for preset in presets:
-        for shape in meshes:
+        for shape in MESHES[preset]:
             loss, grads, losses, memory, hlo = run(shape, preset)
             grad_err = max(float(np.max(np.abs(g - r) / (np.abs(r).max() + 1e-12))) for g, r in zip(grads, ref_grads))
             report["runs"].append(

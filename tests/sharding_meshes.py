@@ -1,0 +1,12 @@
+"""The (data, fsdp, tensor) meshes each sharding preset is checked on against one device: those whose
+axes the preset shards over (every data-parallel preset splits the batch over data and fsdp alike),
+and the mixed 2 x 2 x 2 mesh for all of them."""
+
+MESHES = {
+    "dp": [(8, 1, 1), (2, 2, 2)],
+    "zero1": [(8, 1, 1), (2, 2, 2)],
+    "zero2": [(8, 1, 1), (2, 2, 2)],
+    "fsdp": [(8, 1, 1), (1, 8, 1), (2, 2, 2)],
+    "tp": [(1, 1, 8), (2, 2, 2)],
+    "fsdp_tp": [(1, 1, 8), (2, 2, 2)],
+}

@@ -115,6 +115,7 @@ def bench(vllm_python: str, script: Path, url: str, concurrency: int, args: argp
         str(out),
         "--result-filename",
         name,
+        *(["--save-detailed"] if args.detailed else []),
     ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
     r = json.loads((out / name).read_text())
@@ -144,6 +145,7 @@ def main() -> None:
     p.add_argument("--min-prompts", type=int, default=32)
     p.add_argument("--config", default=str(ROOT / "configs/serve/cpu.yaml"))
     p.add_argument("--only", choices=["ours", "vllm"], default=None)
+    p.add_argument("--detailed", action="store_true", help="keep every request's inter-token gaps in the results")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/serving_vs_vllm")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]

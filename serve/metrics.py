@@ -7,6 +7,7 @@ import dataclasses
 import re
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -50,6 +51,8 @@ class _Tracked:
     """A request in flight, as the metrics see it."""
 
     tenant: str
+    tokens: Any  # its tenant's generation-token counter and ITL histogram: labels() resolved once, not per token
+    itl: Any
     generated: int = 0
     last_token: float | None = None
 
@@ -116,13 +119,17 @@ class ServerMetrics:
 
     def start_request(self, request_id: str, prompt_tokens: int, params: SamplingParams, tenant: str = "") -> None:
         """An engine request was admitted: its prompt and parameters are counted under its tenant."""
-        self._requests[request_id] = _Tracked(tenant)
+        self._requests[request_id] = self._track(tenant)
         self.prompt_tokens.labels(self.model_name, tenant).inc(prompt_tokens)
         self.prompt_len.labels(self.model_name, tenant).observe(prompt_tokens)
         self.params_n.labels(self.model_name, tenant).observe(params.n)
         if params.max_tokens is not None:
             self.max_tokens.labels(self.model_name, tenant).observe(params.max_tokens)
         self.live.start(request_id, prompt_tokens, tenant)
+
+    def _track(self, tenant: str) -> _Tracked:
+        labels = (self.model_name, tenant)
+        return _Tracked(tenant, self.generation_tokens.labels(*labels), self.itl.labels(*labels))
 
     def finish_request(self, request_id: str) -> None:
         """The HTTP call is over: forget the request even if the core never reported its end."""
@@ -151,9 +158,9 @@ class ServerMetrics:
                 self.expert_load.observe(stats.expert_load)
         for it in iterations:
             m = it.metrics
-            req = self._requests.get(it.request_id) or _Tracked("")
+            req = self._requests.get(it.request_id) or self._track("")
             tenant = (self.model_name, req.tenant)
-            self.generation_tokens.labels(*tenant).inc(it.new_tokens)
+            req.tokens.inc(it.new_tokens)
             req.generated += it.new_tokens
             if it.first_tokens and m.first_token_time is not None:
                 self.ttft.labels(*tenant).observe(m.first_token_time - m.arrival_time)
@@ -163,7 +170,7 @@ class ServerMetrics:
             elif it.new_tokens and req.last_token is not None:
                 gap = (now - req.last_token) / it.new_tokens
                 for _ in range(it.new_tokens):
-                    self.itl.labels(*tenant).observe(gap)
+                    req.itl.observe(gap)
             if it.new_tokens:
                 req.last_token = now
             if it.finish_reason is not None:

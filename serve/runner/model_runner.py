@@ -144,7 +144,9 @@ class ModelRunner:
                 kv_cache_dtype=kv_cache_dtype,
                 attn_impl=self.attn_impl,
             )
-        self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens), factor=4)
+        # Tokens of a step: a prompt chunk beside the decodes pads to the next power of two (its matmuls cost
+        # what it pads to; coarser buckets, x4, made 16 decodes + a 64-token prompt a 256-token step)
+        self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens))
         self.seq_buckets = buckets(max_num_seqs, 1)
         # Rows of a step with a prompt chunk: coarser, since each pairs with the token buckets
         self.mixed_seq_buckets = buckets(max_num_seqs, min(16, max_num_seqs), factor=4)

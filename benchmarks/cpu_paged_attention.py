@@ -24,7 +24,7 @@ from pallas_kernels.paged_attention_reference import ragged_paged_attention_refe
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 H, D, BS = 4, 64, 16
 IMPLS = {

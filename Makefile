@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
-	$(VENV)/bin/python -m pallas_kernels.cpu_paged_attention
+	-$(VENV)/bin/python -m pallas_kernels.cpu_paged_attention  # our CPU attention kernel (without a C++ compiler: XLA's)
 	touch $@
 
 # The main job: the OpenAI-compatible server on the embedded default model (prints how to query it).

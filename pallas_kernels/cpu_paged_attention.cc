@@ -154,8 +154,10 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   auto qd = q.dimensions();
   auto kd = k_pool.dimensions();
   auto td = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || cu_q_lens.element_count() != td[0] + 1 ||
-      kv_lens.element_count() != td[0] || kd[3] != qd[2] || v_pool.element_count() != k_pool.element_count()) {
+  auto vd = v_pool.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 ||
+      cu_q_lens.element_count() != td[0] + 1 || kv_lens.element_count() != td[0] || kd[3] != qd[2] ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || kd[0] <= 0 || kd[1] <= 0) {
     return ffi::Error::InvalidArgument("ragged paged attention: inconsistent operand shapes");
   }
   auto job = std::make_shared<Job>();
@@ -183,7 +185,10 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   std::memset(job->out, 0, sizeof(float) * out->element_count());
   const int64_t seqs = td[0];
   for (int64_t s = 0; s < seqs; ++s) {
-    const int64_t a = std::clamp<int64_t>(job->cu[s], 0, n), b = std::clamp<int64_t>(job->cu[s + 1], a, n);
+    if (job->cu[s + 1] < job->cu[s] || job->cu[s] < 0) {
+      return ffi::Error::InvalidArgument("ragged paged attention: cu_q_lens must be non-decreasing from 0");
+    }
+    const int64_t a = std::min<int64_t>(job->cu[s], n), b = std::min<int64_t>(job->cu[s + 1], n);
     for (int64_t t = a; t < b; t += kQueryBlock) {
       for (int64_t h = 0; h < job->kv_heads; ++h) {
         job->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(t),

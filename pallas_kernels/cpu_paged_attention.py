@@ -13,6 +13,8 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -39,9 +41,29 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
+@functools.cache
+def _toolchain() -> str:
+    """What else decides the built code: the machine, its CPU's instruction sets (-march=native) and the
+    compiler's version, so a cache folder shared between machines never hands one another's library."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    version = ""
+    cxx = compiler()
+    if cxx is not None:
+        try:
+            done = subprocess.run([*shlex.split(cxx), "--version"], capture_output=True, text=True, timeout=60)
+            version = done.stdout
+        except (OSError, subprocess.TimeoutExpired):
+            version = "unusable"
+    return "\n".join((platform.machine(), flags, version))
+
+
 def library_path() -> Path:
-    """Where the library for this source, these flags and this jaxlib lives (built or not)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()).hexdigest()
+    """Where the library for this source, these flags, this jaxlib and this toolchain lives (built or not)."""
+    parts = (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _toolchain().encode())
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jaxinfra" / "cpu-kernels")
     return root / key[:16] / "libjaxinfra_cpu_attention.so"
 
@@ -58,16 +80,19 @@ def build() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [*shlex.split(cxx), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        os.unlink(tmp)
-        raise KernelUnavailable(f"cannot run the C++ compiler {cxx!r}: {e}") from e
-    if done.returncode:
-        os.unlink(tmp)
-        raise KernelUnavailable(f"building the CPU attention kernel failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}")
-    os.replace(tmp, path)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise KernelUnavailable(f"cannot run the C++ compiler {cxx!r}: {e}") from e
+        if done.returncode:
+            command = " ".join(cmd)
+            raise KernelUnavailable(f"building the CPU attention kernel failed:\n{command}\n{done.stderr[-4000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path
 
 

@@ -113,6 +113,8 @@ def paged_impl(impl: str | None) -> str:
         return "cpu" if jax.default_backend() == "cpu" and cpu_paged_attention.available() else "xla"
     if impl not in PAGED_IMPLS:
         raise ValueError(f"paged attention impl must be one of {PAGED_IMPLS}, got {impl!r}")
+    if impl == "cpu" and jax.default_backend() != "cpu":
+        raise ValueError(f"paged attention impl 'cpu' runs on CPU only, not on {jax.default_backend()}")
     return impl
 
 

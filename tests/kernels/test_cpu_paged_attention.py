@@ -120,3 +120,19 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_malformed_lengths_are_an_error_not_a_race():
+    """cu_q_lens that decrease would give two work units the same output rows: the call refuses them."""
+    pool = jnp.ones((4, 4, 1, 8), jnp.float32)
+    with pytest.raises(Exception, match="non-decreasing"):
+        jax.block_until_ready(
+            cpu.ragged_paged_attention_cpu(
+                jnp.ones((3, 1, 8)),
+                pool,
+                pool,
+                jnp.zeros((2, 2), jnp.int32),
+                jnp.asarray([0, 3, 1], jnp.int32),
+                jnp.asarray([3, 1], jnp.int32),
+            )
+        )

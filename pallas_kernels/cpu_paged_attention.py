@@ -32,6 +32,11 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPI
 CACHE_ENV = "JAXINFRA_KERNEL_CACHE"  # where built libraries go (default ~/.cache/jaxinfra/cpu-kernels)
 
 
+def reads(pool_dtype: jnp.dtype) -> bool:
+    """Whether the kernel reads pools of this dtype (float32 only; int8/fp8/bf16 take the XLA formulation)."""
+    return jnp.dtype(pool_dtype) == jnp.float32
+
+
 class KernelUnavailable(RuntimeError):
     """The CPU kernel could not be built here (no C++ compiler, or it failed)."""
 
@@ -126,7 +131,7 @@ def ragged_paged_attention_cpu(
     scale: float | None = None,
 ) -> Float[Array, "N H D"]:
     """Same contract as `ragged_paged_attention_reference`, for float32 pools, on CPU."""
-    if k_pool.dtype != jnp.float32 or v_pool.dtype != jnp.float32:
+    if not (reads(k_pool.dtype) and reads(v_pool.dtype)):
         raise ValueError(f"the CPU paged-attention kernel takes float32 pools, got {k_pool.dtype}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")

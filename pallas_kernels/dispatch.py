@@ -131,16 +131,6 @@ def _paged_kwargs(
     )
 
 
-def _cpu_kernel_takes(cache: PagedKVCache) -> bool:
-    """The C++ kernel reads float32 pools; quantized or narrower ones take the XLA formulation."""
-    return not cache.quantized and cache.k.dtype == jnp.float32
-
-
-def _variant(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The attention variant alone (what the CPU kernel takes): no scales, no max_q_len."""
-    return {key: kwargs[key] for key in ("sliding_window", "logit_softcap", "scale")}
-
-
 def ragged_attention(
     q: Float[Array, "N H D"],
     cache: PagedKVCache,
@@ -156,8 +146,10 @@ def ragged_attention(
     kwargs = _paged_kwargs(cache, sliding_window, logit_softcap, scale)
     kwargs["max_q_len"] = metadata.max_q_len
     args = (q, cache.k, cache.v, metadata.block_tables, metadata.cu_q_lens, metadata.kv_lens)
-    if impl == "cpu" and _cpu_kernel_takes(cache):
-        return cpu_paged_attention.ragged_paged_attention_cpu(*args, **_variant(kwargs))
+    if impl == "cpu" and cpu_paged_attention.reads(cache.k.dtype):
+        return cpu_paged_attention.ragged_paged_attention_cpu(
+            *args, sliding_window=sliding_window, logit_softcap=logit_softcap, scale=scale
+        )
     if impl in ("xla", "cpu"):
         return ragged_paged_attention_xla(*args, plan=metadata.plan, **kwargs)
     if impl == "pallas":
@@ -187,9 +179,17 @@ def decode_attention(
     if impl == "reference":
         return paged_attention_reference(q, cache.k, cache.v, block_tables, context_lens, **kwargs)
     cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-    if impl == "cpu" and _cpu_kernel_takes(cache):
+    if impl == "cpu" and cpu_paged_attention.reads(cache.k.dtype):
         return cpu_paged_attention.ragged_paged_attention_cpu(
-            q, cache.k, cache.v, block_tables, cu, context_lens, **_variant(kwargs)
+            q,
+            cache.k,
+            cache.v,
+            block_tables,
+            cu,
+            context_lens,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            scale=scale,
         )
     return ragged_paged_attention_xla(q, cache.k, cache.v, block_tables, cu, context_lens, max_q_len=1, **kwargs)
 

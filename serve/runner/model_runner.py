@@ -21,7 +21,7 @@ from tqdm import tqdm
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import EagleHead
 from jaxinfra.models.llama import layer_graph, stack_layers
-from pallas_kernels import PagedKVCache, paged_head_dim, paged_impl
+from pallas_kernels import PagedKVCache, cpu_paged_attention, paged_head_dim, paged_impl
 from pallas_kernels.kv_quant import is_quantized_kv
 from serve.config import kv_storage_dtype
 from serve.host_transfer import Layout, pack
@@ -97,7 +97,7 @@ class ModelRunner:
         graphdef, self.state = nnx.split(model)
         dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
         self.attn_impl = paged_impl(attn_impl)
-        if self.attn_impl == "cpu" and dtype != jnp.float32:  # the C++ kernel reads float32 pools only
+        if self.attn_impl == "cpu" and not cpu_paged_attention.reads(dtype):
             self.attn_impl = "xla"  # what the attention layers run instead: its tile plans are built here
         # One pool for every layer, stacked on a leading layers axis: the layers run as one scan.
         self.kv_cache = PagedKVCache.zeros(

@@ -8,7 +8,7 @@ single steps: how streams are served), measured two ways in one process:
 Each is also taken as the main thread's CPU time per step (`time.thread_time`), which other
 processes on a shared machine disturb far less than wall time.
 
-    python -m benchmarks.host_overhead [--running 32 256 1024] [--steps 30]
+    python -m benchmarks.host_overhead [--running 32 256 1024] [--steps 100]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def measure(model, tokenizer, running: int, steps: int, no_op: bool) -> dict:
             max_model_len=512,
             max_num_seqs=running,
             max_num_batched_tokens=max(2048, running),
-            num_gpu_blocks_override=running * 8,
+            num_gpu_blocks_override=running * 16,  # room for 16 + 200 tokens each: no preemption
             compilation_cache_dir="",
         ),
     )
@@ -83,7 +83,7 @@ def measure(model, tokenizer, running: int, steps: int, no_op: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", type=int, nargs="+", default=[32, 256, 1024])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     model, tokenizer = jaxinfra.load_model(MODEL), jaxinfra.load_tokenizer(MODEL)
     rows = []

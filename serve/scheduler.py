@@ -77,14 +77,23 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, CoreRequest] = {}
+        self.host_bound: set[str] = set()  # requests with penalties or a grammar (`needs_sync`)
         self.finished_ids: list[int] = []  # left the batch since the last schedule()
         self.num_preemptions = 0
         self.now = 0.0  # set by the engine before each schedule(): first-scheduled times
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: CoreRequest) -> None:
-        self.requests[req.request.request_id] = req
+        rid = req.request.request_id
+        self.requests[rid] = req
+        if any(s.params.uses_penalties or s.matcher is not None for s in req.seqs):
+            self.host_bound.add(rid)
         self.add(req.seqs[0])
+
+    def _forget(self, rid: str) -> None:
+        """A finished request leaves the scheduler."""
+        del self.requests[rid]
+        self.host_bound.discard(rid)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
@@ -108,7 +117,7 @@ class Scheduler:
                 self.remove(seq)
             seq.finish_reason = seq.finish_reason or "abort"
         if req.finished:
-            del self.requests[rid]
+            self._forget(rid)
 
     def remove(self, seq: Sequence) -> dict[str, Any] | None:
         """Drop a sequence (finished or aborted) and free its blocks; the runner frees its row at the
@@ -133,6 +142,8 @@ class Scheduler:
         scheduled: penalties read the host-built history, a structured output its matcher."""
         if self.spec is not None and self.spec.needs_sync(len(self.running)):
             return any(s.num_pending for s in self.running)
+        if not self.host_bound:
+            return False
         return any(s.num_pending and (s.params.uses_penalties or s.matcher is not None) for s in self.running)
 
     # --- scheduling -------------------------------------------------------------------------------
@@ -142,18 +153,25 @@ class Scheduler:
         preempted: list[Sequence] = []
         bs = self.bm.block_size
         running = self.running
-        drafts = self.spec.propose(self.running, self.waiting, self.budget) if self.spec is not None else {}
+        spec = self.spec
+        drafts = spec.propose(self.running, self.waiting, self.budget) if spec is not None else {}
+        allocate = self.bm.allocate_slots
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0:  # the hot loop at large batches: kept to plain reads
             seq = running[i]
-            total = len(seq.tokens) + seq.num_pending + len(drafts.get(seq.seq_id, ()))
-            n = min(total - seq.num_computed_tokens, budget)
+            computed = seq.num_computed_tokens
+            total = len(seq.tokens) + seq.num_pending
+            if drafts:
+                total += len(drafts.get(seq.seq_id, ()))
+            n = total - computed
+            if n > budget:
+                n = budget
             if n <= 0 or total - seq.prompt_len >= seq.max_output:
                 i += 1  # nothing to compute, or max_tokens already in flight
                 continue
-            slots = n + self._lookahead(seq, n)
-            grows = -(-(seq.num_computed_tokens + slots) // bs) > len(seq.block_ids)
-            while grows and not self.bm.allocate_slots(seq, slots):
+            slots = n if spec is None else n + spec.lookahead(seq, n)
+            grows = computed + slots > len(seq.block_ids) * bs
+            while grows and not allocate(seq, slots):
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -265,12 +283,12 @@ class Scheduler:
         n = len(scheduled)
         seqs = [s for s, _ in scheduled]
         num_steps = self._decode_steps(scheduled) if scheduled else 1
+        rows = [(c, s.num_computed_tokens, len(s.tokens), s.num_pending) for s, c in scheduled]
+        counts = np.array(rows, np.int32).reshape(n, 4).T.copy()  # num_new, num_computed, known, num_pending
+        counts[2] += counts[3]  # num_tokens counts those still on the device
         sched = SchedulerOutput(
             seqs,
-            np.fromiter((c for _, c in scheduled), np.int32, n),
-            np.fromiter((s.num_computed_tokens for s in seqs), np.int32, n),
-            np.fromiter((s.num_tokens for s in seqs), np.int32, n),
-            np.fromiter((s.num_pending for s in seqs), np.int32, n),
+            *counts,
             preempted,
             self.finished_ids,
             num_steps,
@@ -287,11 +305,14 @@ class Scheduler:
             made = np.minimum(np.fromiter((self.budget(s) for s in seqs), np.int32, n), num_steps)
             sched = dataclasses.replace(sched, budgets=made)
         bs = self.bm.block_size
+        now = self.now
         for seq, new, m in zip(seqs, (sched.num_new if num_steps == 1 else made).tolist(), made.tolist()):
-            seq.first_scheduled = seq.first_scheduled or self.now
-            seq.num_computed_tokens += new
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + new
             seq.num_pending += m
-            if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
+            known = len(seq.tokens)
+            if (computed if computed < known else known) >= (len(seq.block_hashes) + 1) * bs:
                 self.bm.cache_full_blocks(seq)
         return sched
 
@@ -314,20 +335,42 @@ class Scheduler:
                     )
         loop = sched.budgets is not None
         made = (sched.samples.astype(np.int32) if sched.budgets is None else sched.budgets).tolist()
-        tokens = res.tokens.T.tolist() if loop else res.tokens[:, None].tolist()
+        tokens = res.tokens.T.tolist() if loop else res.tokens.tolist()  # rows of tokens, or one token per row
         emitted = made
         if res.num_emitted is not None and self.spec is not None:  # rejected drafts' KV is rolled back
-            tokens = res.tokens.tolist()
             emitted = self.spec.settle(sched, res.num_emitted, made)
+        multi = loop or res.num_emitted is not None
         if res.drafts is not None:  # EAGLE: what each row's next step verifies
             SpecScheduling.keep_drafts(sched, res.drafts)
         bs = self.bm.block_size
-        for i, (seq, m) in enumerate(zip(sched.seqs, made)):
-            if seq.is_finished:
+        plain = res.logprobs is None
+        eos, max_len, finished = self.eos_set, self.max_model_len, Status.FINISHED
+        for i, (seq, m, row, e) in enumerate(zip(sched.seqs, made, tokens, emitted)):
+            if seq.status is finished:
                 continue
             seq.num_pending -= m
-            for k, token in enumerate(tokens[i][: emitted[i]]):
-                if res.logprobs is None and self._append_plain(seq, token, outputs):
+            known = seq.tokens
+            for k in range(e):
+                token = row[k] if multi else row
+                # The common case inline (the loop runs per row per step): a started sequence without a
+                # grammar takes a token that is no EOS or stop id and stays within max_tokens and
+                # max_model_len. Anything else goes through `_append`'s full rules.
+                n = len(known) + 1
+                if (
+                    plain
+                    and seq.matcher is None
+                    and seq.started
+                    and token not in eos
+                    and token not in seq.stop_ids
+                    and n - seq.prompt_len < seq.max_output
+                    and n < max_len
+                ):
+                    known.append(token)
+                    out = outputs.get(seq)
+                    if out is None:
+                        outputs[seq] = EngineCoreOutput(seq.request_id, seq.index, [token])
+                    else:
+                        out.new_token_ids.append(token)
                     continue
                 lp = None
                 if res.logprobs is not None:
@@ -336,25 +379,9 @@ class Scheduler:
                 if self._append(seq, token, lp, outputs):
                     break
             else:
-                if min(seq.num_computed_tokens, len(seq.tokens)) // bs > len(seq.block_hashes):
+                full = seq.num_computed_tokens if seq.num_computed_tokens < len(known) else len(known)
+                if full >= (len(seq.block_hashes) + 1) * bs:
                     self.bm.cache_full_blocks(seq)
-
-    def _append_plain(self, seq: Sequence, token: int, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
-        """`_append`'s common case at a few attribute reads: a started sequence without a grammar takes
-        a token that is no EOS or stop id and leaves it within max_tokens and max_model_len. False,
-        with nothing done, for anything else (`_append` then applies the full rules)."""
-        if seq.matcher is not None or not seq.started or token in self.eos_set or token in seq.stop_ids:
-            return False
-        n = len(seq.tokens) + 1
-        if n - seq.prompt_len >= seq.max_output or n >= self.max_model_len:
-            return False
-        seq.tokens.append(token)
-        out = outputs.get(seq)
-        if out is None:
-            outputs[seq] = EngineCoreOutput(seq.request_id, seq.index, [token])
-        else:
-            out.new_token_ids.append(token)
-        return True
 
     def _append(self, seq: Sequence, token: int, lp: Logprob | None, outputs: dict[Sequence, EngineCoreOutput]) -> bool:
         """Add a sampled token and check the stop rules (EOS and stop ids once min_tokens are out,
@@ -383,7 +410,7 @@ class Scheduler:
         out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
         out.kv_transfer_params = self.remove(seq)
         if self.requests[seq.request_id].finished:
-            del self.requests[seq.request_id]
+            self._forget(seq.request_id)
         return True
 
     def _first_output(self, seq: Sequence, out: EngineCoreOutput) -> None:

@@ -61,6 +61,10 @@ class EngineArgs:
     """Tokens per step (default: 2048 with chunked prefill, else max_model_len)."""
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    prefill_tokens_per_decode: int = 0
+    """Chunked prefill while sequences decode: a step takes at most this many prompt tokens per running
+    sequence (counted as at least 16), so a step that carries new prompts costs a small multiple of a
+    decode step and streams keep an even pace; 0 = prompts fill the whole token budget (vLLM's way)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory for weights, activations and the KV pool."""
     num_gpu_blocks_override: int | None = None
@@ -128,6 +132,8 @@ class EngineArgs:
         for name in ("max_num_seqs", "tensor_parallel_size", "expert_parallel_size", "num_scheduler_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive int")
+        if not is_int(self.prefill_tokens_per_decode) or self.prefill_tokens_per_decode < 0:
+            raise bad("prefill_tokens_per_decode", "must be an int >= 0")
         if not is_int(self.seed):
             raise bad("seed", "must be an int")
         if (

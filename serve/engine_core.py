@@ -89,6 +89,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             num_scheduler_steps=args.num_scheduler_steps,
+            prefill_tokens_per_decode=args.prefill_tokens_per_decode,
             proposer=proposer,
             disable_spec_above=spec.disable_by_batch_size if spec is not None else None,
             connector=connector,

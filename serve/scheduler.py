@@ -55,12 +55,14 @@ class Scheduler:
         max_model_len: int = 2**31 - 1,
         eos_token_ids: tuple[int, ...] = (),
         num_scheduler_steps: int = 1,
+        prefill_tokens_per_decode: int = 0,
         proposer: NgramProposer | DraftSlots | EagleDrafts | None = None,
         disable_spec_above: int | None = None,
         connector: KVConnectorBase | None = None,
     ) -> None:
-        """`proposer`: speculative decoding's, drafting for decodes while at most `disable_spec_above`
-        sequences run (None: always). `connector`: disaggregation's KV connector (scheduler side)."""
+        """`prefill_tokens_per_decode`: see EngineArgs. `proposer`: speculative decoding's, drafting for
+        decodes while at most `disable_spec_above` sequences run (None: always). `connector`:
+        disaggregation's KV connector (scheduler side)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,6 +71,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_set = frozenset(eos_token_ids)
         self.num_scheduler_steps = num_scheduler_steps
+        self.prefill_tokens_per_decode = prefill_tokens_per_decode if enable_chunked_prefill else 0
         self.stream_loops = False  # set by EngineCore.stream_loops
         self.num_steps_made = 0
         self.spec = None if proposer is None else SpecScheduling(proposer, disable_spec_above, max_model_len)
@@ -156,14 +159,21 @@ class Scheduler:
         spec = self.spec
         drafts = spec.propose(self.running, self.waiting, self.budget) if spec is not None else {}
         allocate = self.bm.allocate_slots
+        prefill = self._prefill_budget()
         i = 0
         while i < len(running) and budget > 0:  # the hot loop at large batches: kept to plain reads
             seq = running[i]
             computed = seq.num_computed_tokens
             total = len(seq.tokens) + seq.num_pending
-            if drafts:
-                total += len(drafts.get(seq.seq_id, ()))
             n = total - computed
+            chunk = n > 1  # a prompt chunk (or a preempted sequence's recompute)
+            if chunk:
+                if n > prefill:
+                    n = prefill
+            elif drafts:
+                extra = len(drafts.get(seq.seq_id, ()))
+                total += extra
+                n += extra
             if n > budget:
                 n = budget
             if n <= 0 or total - seq.prompt_len >= seq.max_output:
@@ -180,7 +190,10 @@ class Scheduler:
             else:
                 scheduled.append((seq, n))
                 budget -= n
+                if chunk:
+                    prefill -= n
                 i += 1
+        budget = min(budget, prefill)
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             if seq.num_pending:
@@ -207,6 +220,13 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return self._output(scheduled, preempted, drafts)
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may take: `prefill_tokens_per_decode` per running sequence (at least
+        16 counted) while any run, else no limit beyond the step's budget."""
+        if not self.prefill_tokens_per_decode or not self.running:
+            return self.max_num_batched_tokens
+        return self.prefill_tokens_per_decode * max(len(self.running), 16)
 
     def _next_waiting(self) -> Sequence:
         """The waiting sequence to admit next: the first that holds blocks (its remote KV loaded: at most one
@@ -284,11 +304,14 @@ class Scheduler:
         seqs = [s for s, _ in scheduled]
         num_steps = self._decode_steps(scheduled) if scheduled else 1
         rows = [(c, s.num_computed_tokens, len(s.tokens), s.num_pending) for s, c in scheduled]
-        counts = np.array(rows, np.int32).reshape(n, 4).T.copy()  # num_new, num_computed, known, num_pending
-        counts[2] += counts[3]  # num_tokens counts those still on the device
+        num_new, num_computed, num_tokens, num_pending = np.array(rows, np.int32).reshape(n, 4).T.copy()
+        num_tokens += num_pending  # those still on the device count
         sched = SchedulerOutput(
             seqs,
-            *counts,
+            num_new,
+            num_computed,
+            num_tokens,
+            num_pending,
             preempted,
             self.finished_ids,
             num_steps,

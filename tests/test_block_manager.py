@@ -81,6 +81,29 @@ def test_scheduler_budget_chunking_and_preemption():
     bm.check_invariants(sched.running)
 
 
+@pytest.mark.parametrize("per_decode", [0, 1])
+def test_prefill_tokens_per_decode_caps_prompt_tokens_while_sequences_decode(per_decode):
+    """With the cap, a step that carries decodes takes at most per_decode x max(running, 16) prompt tokens
+    (waiting prompts and unfinished chunks alike); without running sequences, or the cap, the budget."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, prefill_tokens_per_decode=per_decode)
+    a, b, c = _seq(range(20)), _seq(range(100, 140)), _seq(range(200, 230))
+    sched.add(a)
+    assert _rows(sched.schedule()) == [(a, 20)]  # nothing runs: the whole budget
+    a.num_pending = 0
+    a.tokens.append(1)
+    sched.add(b)
+    sched.add(c)
+    if per_decode:
+        assert _rows(sched.schedule()) == [(a, 1), (b, 16)]
+        a.num_pending = 0
+        a.tokens.append(2)
+        assert _rows(sched.schedule()) == [(a, 1), (b, 16)]  # b's next chunk counts against the cap too
+    else:
+        assert _rows(sched.schedule()) == [(a, 1), (b, 40), (c, 23)]
+    bm.check_invariants([a, b, c])
+
+
 def test_sequences_with_loaded_kv_are_not_stuck_behind_a_head_short_of_blocks():
     """Disaggregation: sequences whose remote KV loaded wait holding their blocks; a preempted sequence put
     back at the head cannot get blocks while they hold them, so they are admitted first (they need at most
@@ -211,6 +234,7 @@ TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadl
         ("gpu_memory_utilization", 1.5),
         ("async_scheduling", "yes"),
         ("seed", 1.5),
+        ("prefill_tokens_per_decode", -1),
     ],
 )
 def test_bad_engine_args_name_the_field(field, value):

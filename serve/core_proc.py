@@ -9,6 +9,7 @@ From its first moment a thread of its own beats a heartbeat pipe, whatever the s
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -128,6 +129,8 @@ def run_engine_core(launch: CoreLaunch) -> None:
     decoder = msgspec.msgpack.Decoder(CoreInput)
     grammars = GrammarQueue(core)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    gc.collect()
+    gc.freeze()  # the start-up heap (model, compiled steps) is never garbage: full collections skip it (as vLLM)
 
     def take(msg: EngineCoreRequest | AbortRequests | UtilityCall, reply: EngineCoreOutputs) -> None:
         if isinstance(msg, EngineCoreRequest):

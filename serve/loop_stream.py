@@ -7,7 +7,9 @@ the loop does). Order is kept by holding a
 step's tokens until every earlier step's results went out (so a token never overtakes the one
 before it, and rows that finished earlier are dropped), and by removing from a step's results the
 tokens already streamed. Everything goes through one queue, so the sender sees the events in the
-order they happened: a step registered before it is dispatched, its taps before its results.
+order they happened: a step registered before it is dispatched, its taps before its results. A loop's
+tokens need not wait for an earlier loop's results when that loop streamed every row (`_ready`): at a
+loop boundary the next loop's first token goes out without waiting for the host to read the last.
 """
 
 from __future__ import annotations
@@ -119,19 +121,39 @@ class LoopTokenStream:
         if step is None or step.rows is None or i in step.seen:
             return
         step.seen.add(i)
-        if step_id == self._done + 1:
-            self._stream(step, values[2:])
+        if self._ready(step_id):
+            self._stream(step, values[2:], self._ended_before(step_id))
         else:
             step.held.append(values[2:])
 
-    def _stream(self, step: _Step, values: np.ndarray) -> None:
+    def _ready(self, step_id: int) -> bool:
+        """A step's tokens may stream once every earlier step's results went out, or while the earlier
+        steps still out are loops that streamed every row: one device runs steps in order, so their
+        tokens all went out before this step's, and their results bring nothing a stream must see
+        first (a loop's first step over a row whose prompt just finished does not stream that row:
+        its results carry the first token, so they are waited for)."""
+        for earlier in range(self._done + 1, step_id):
+            step = self._steps.get(earlier)
+            if step is None or step.rows is None or None in step.rows:
+                return False
+        return True
+
+    def _ended_before(self, step_id: int) -> set[tuple[str, int]]:
+        """Rows whose finish a step still out before `step_id` streamed (their later tokens are not theirs)."""
+        ended: set[tuple[str, int]] = set()
+        for earlier in range(self._done + 1, step_id):
+            ended |= self._steps[earlier].ended
+        return ended
+
+    def _stream(self, step: _Step, values: np.ndarray, ended: set[tuple[str, int]]) -> None:
         """One iteration's tokens, a one-token output per row; a row's last says how it finished:
-        stop code 1 (EOS: no stop reason) or 2 (a stop id: the reason), or its length token."""
+        stop code 1 (EOS: no stop reason) or 2 (a stop id: the reason), or its length token. Rows that
+        finished earlier (`_finished` by the last results, `ended` by a loop still out) are skipped."""
         assert step.rows is not None
         s = len(values) // 2
         outputs = []
         for row, token, how in zip(step.rows, values[:s].tolist(), values[s:].tolist()):
-            if token < 0 or row is None or row[:2] in self._finished:
+            if token < 0 or row is None or row[:2] in self._finished or row[:2] in ended:
                 continue
             out = EngineCoreOutput(row[0], row[1], [token])
             n = step.sent[row[:2]] = step.sent.get(row[:2], 0) + 1
@@ -158,10 +180,12 @@ class LoopTokenStream:
             msg.outputs = [o for o in msg.outputs if _trim(o, streamed.get((o.request_id, o.index), 0), ended)]
             self._done = applied
         self._send(msg)
-        following = self._steps.get(self._done + 1)
-        if following is not None:
+        for step_id in sorted(self._steps):  # held tokens of the steps now ready, in step order
+            if not self._ready(step_id):
+                break
+            following = self._steps[step_id]
             for values in following.held:
-                self._stream(following, values)
+                self._stream(following, values, self._ended_before(step_id))
             following.held.clear()
 
 

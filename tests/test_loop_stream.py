@@ -79,6 +79,36 @@ def test_results_of_several_steps_at_once_keep_their_held_tokens():
     assert said(msgs) == [[("a", [4, 5, 6], None)], [("a", [7], "length")], [], []]
 
 
+def test_a_loop_behind_a_fully_streamed_loop_streams_before_its_results():
+    """At a loop boundary the next loop's tokens go out at once when the loop still out streamed every
+    row (its rows that ended are skipped); behind a loop with a row it did not stream, they wait."""
+    msgs: list[EngineCoreOutputs] = []
+    stream = LoopTokenStream(msgs.append)
+    stream.register(0, [("a", 0, 0), ("b", 0, 0)])
+    stream.register(1, [("a", 0, 0), ("b", 0, 0)])
+    stream.tap(np.array([0, 0, 5, 6, 0, 1]))  # b ends by EOS in loop 0
+    stream.tap(np.array([1, 0, 7, 8, 0, 0]))  # loop 1 before loop 0's results: a streams, b is not b's
+    stream.register(2, [("a", 0, 0), None])  # a row loop 2 does not stream ...
+    stream.register(3, [("a", 0, 0)])
+    stream.results(EngineCoreOutputs(outputs=[out("a", [5]), out("b", [6], "stop")]), 0)
+    stream.tap(np.array([2, 0, 9, 4, 0, 0]))
+    stream.tap(np.array([3, 0, 10, 0]))  # ... so loop 3 waits for loop 2's results
+    stream.results(EngineCoreOutputs(outputs=[out("a", [7])]), 1)
+    stream.results(EngineCoreOutputs(outputs=[out("a", [9]), out("c", [4])]), 2)
+    stream.results(EngineCoreOutputs(outputs=[out("a", [10], "length")]), 3)
+    stream.close()
+    assert said(msgs) == [
+        [("a", [5], None), ("b", [6], "stop")],
+        [("a", [7], None)],  # before loop 0's results; b's row is no longer b's
+        [],  # loop 0's results: everything in them was streamed
+        [("a", [9], None)],  # loop 2 streams behind loop 1 (fully streamed) too
+        [],  # loop 1's results
+        [("c", [4], None)],  # loop 2's results: its row that did not stream
+        [("a", [10], None)],  # loop 3's token, held until loop 2's results went out
+        [("a", [], "length")],
+    ]
+
+
 def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
     """Driven as the core process drives it: streams (output kind "delta") run 8-step loops now, and
     every output carries one token; tokens, finish reasons and stop ids are single steps' own.

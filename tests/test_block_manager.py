@@ -81,12 +81,14 @@ def test_scheduler_budget_chunking_and_preemption():
     bm.check_invariants(sched.running)
 
 
-@pytest.mark.parametrize("per_decode", [0, 1])
-def test_prefill_tokens_per_decode_caps_prompt_tokens_while_sequences_decode(per_decode):
+@pytest.mark.parametrize("per_decode,buckets", [(0, []), (1, []), (1, [16, 32, 64])])
+def test_prefill_tokens_per_decode_caps_prompt_tokens_while_sequences_decode(per_decode, buckets):
     """With the cap, a step that carries decodes takes at most per_decode x max(running, 16) prompt tokens
-    (waiting prompts and unfinished chunks alike); without running sequences, or the cap, the budget."""
+    (waiting prompts and unfinished chunks alike), stretched to fill the token bucket the step pads to;
+    without running sequences, or the cap, the budget."""
     bm = BlockManager(64, 4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, prefill_tokens_per_decode=per_decode)
+    sched.token_buckets = buckets
     a, b, c = _seq(range(20)), _seq(range(100, 140)), _seq(range(200, 230))
     sched.add(a)
     assert _rows(sched.schedule()) == [(a, 20)]  # nothing runs: the whole budget
@@ -94,13 +96,18 @@ def test_prefill_tokens_per_decode_caps_prompt_tokens_while_sequences_decode(per
     a.tokens.append(1)
     sched.add(b)
     sched.add(c)
-    if per_decode:
+    if not per_decode:
+        assert _rows(sched.schedule()) == [(a, 1), (b, 40), (c, 23)]
+    elif not buckets:
         assert _rows(sched.schedule()) == [(a, 1), (b, 16)]
         a.num_pending = 0
         a.tokens.append(2)
         assert _rows(sched.schedule()) == [(a, 1), (b, 16)]  # b's next chunk counts against the cap too
     else:
-        assert _rows(sched.schedule()) == [(a, 1), (b, 40), (c, 23)]
+        assert _rows(sched.schedule()) == [(a, 1), (b, 31)]  # 1 + 16 pads to 32: filled
+        a.num_pending = 0
+        a.tokens.append(2)
+        assert _rows(sched.schedule()) == [(a, 1), (b, 9), (c, 22)]
     bm.check_invariants([a, b, c])
 
 

@@ -111,7 +111,7 @@ class EngineCore:
             draft_model=draft,
             eagle_head=eagle,
         )
-        self.scheduler.token_buckets = self.runner.token_buckets  # a capped prefill fills the step's bucket
+        self.scheduler.prefill.token_buckets = self.runner.token_buckets  # a capped prefill fills the step's bucket
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         self.expert_load = ExpertLoad(moe_layers, cfg.num_experts) if moe_layers else None

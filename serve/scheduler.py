@@ -18,8 +18,8 @@ from serve.core_types import EngineCoreOutput
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.base import KVConnectorBase
 from serve.loop_stream import streams_in_loop
+from serve.prefill_budget import PrefillBudget
 from serve.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
-from serve.runner.sizing import fit
 from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
 from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer
@@ -72,8 +72,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_set = frozenset(eos_token_ids)
         self.num_scheduler_steps = num_scheduler_steps
-        self.prefill_tokens_per_decode = prefill_tokens_per_decode if enable_chunked_prefill else 0
-        self.token_buckets: list[int] = []  # the runner's padded step sizes (set by EngineCore)
+        self.prefill = PrefillBudget(max_num_batched_tokens, prefill_tokens_per_decode if enable_chunked_prefill else 0)
         self.stream_loops = False  # set by EngineCore.stream_loops
         self.num_steps_made = 0
         self.spec = None if proposer is None else SpecScheduling(proposer, disable_spec_above, max_model_len)
@@ -161,7 +160,7 @@ class Scheduler:
         spec = self.spec
         drafts = spec.propose(self.running, self.waiting, self.budget) if spec is not None else {}
         allocate = self.bm.allocate_slots
-        prefill = self._prefill_budget()
+        prefill = self.prefill.cap(len(running))
         i = 0
         while i < len(running) and budget > 0:  # the hot loop at large batches: kept to plain reads
             seq = running[i]
@@ -195,7 +194,7 @@ class Scheduler:
                 if chunk:
                     prefill -= n
                 i += 1
-        budget = min(budget, self._fill_bucket(self.max_num_batched_tokens - budget, prefill))
+        budget = min(budget, self.prefill.fill(self.max_num_batched_tokens - budget, prefill))
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             if seq.num_pending:
@@ -222,20 +221,6 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return self._output(scheduled, preempted, drafts)
-
-    def _prefill_budget(self) -> int:
-        """Prompt tokens this step may take: `prefill_tokens_per_decode` per running sequence (at least
-        16 counted) while any run, else no limit beyond the step's budget."""
-        if not self.prefill_tokens_per_decode or not self.running:
-            return self.max_num_batched_tokens
-        return self.prefill_tokens_per_decode * max(len(self.running), 16)
-
-    def _fill_bucket(self, used: int, prefill: int) -> int:
-        """Prompt tokens waiting prompts may add to a step that has `used`: the capped prefill, stretched
-        to fill the token bucket the step is padded to anyway (padding costs what tokens cost)."""
-        if not self.token_buckets or not self.prefill_tokens_per_decode:
-            return prefill
-        return fit(min(used + prefill, self.max_num_batched_tokens), self.token_buckets) - used
 
     def _next_waiting(self) -> Sequence:
         """The waiting sequence to admit next: the first that holds blocks (its remote KV loaded: at most one

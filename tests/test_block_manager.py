@@ -88,7 +88,7 @@ def test_prefill_tokens_per_decode_caps_prompt_tokens_while_sequences_decode(per
     without running sequences, or the cap, the budget."""
     bm = BlockManager(64, 4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, prefill_tokens_per_decode=per_decode)
-    sched.token_buckets = buckets
+    sched.prefill.token_buckets = buckets
     a, b, c = _seq(range(20)), _seq(range(100, 140)), _seq(range(200, 230))
     sched.add(a)
     assert _rows(sched.schedule()) == [(a, 20)]  # nothing runs: the whole budget

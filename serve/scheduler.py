@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from serve.core_types import EngineCoreOutput
+from serve.decode_loop import loop_steps
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.base import KVConnectorBase
-from serve.loop_stream import streams_in_loop
+from serve.kv_transfer.remote_loads import RemoteLoads
 from serve.prefill_budget import PrefillBudget
 from serve.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
-from serve.sampling_params import MAX_BANNED_STOP_IDS
 from serve.sequence import Sequence, Status
 from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer
 from serve.spec_decode.scheduling import SpecScheduling
@@ -77,7 +77,7 @@ class Scheduler:
         self.num_steps_made = 0
         self.spec = None if proposer is None else SpecScheduling(proposer, disable_spec_above, max_model_len)
         self.connector = connector
-        self.loading: dict[int, Sequence] = {}  # seq id -> a waiting sequence whose remote KV is loading
+        self.remote = None if connector is None else RemoteLoads(connector, block_manager)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, CoreRequest] = {}
@@ -128,7 +128,7 @@ class Scheduler:
         next step. Returns the KV connector's kv_transfer_params for the client (blocks it offers)."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
-        elif self.loading.pop(seq.seq_id, None) is None and seq.status == Status.WAITING:
+        elif seq.status == Status.WAITING and not (self.remote is not None and self.remote.drop(seq)):
             self.waiting.remove(seq)
         params = self.connector.request_finished(seq, seq.block_ids)[1] if self.connector is not None else None
         self.bm.free(seq)
@@ -196,12 +196,12 @@ class Scheduler:
                 i += 1
         budget = min(budget, self.prefill.fill(self.max_num_batched_tokens - budget, prefill))
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting()
+            seq = self.waiting[0] if self.remote is None else self.remote.next_waiting(self.waiting)
             if seq.num_pending:
                 break  # its last token is still on the device
             if not seq.block_ids:
                 seq.num_computed_tokens = seq.num_cached_tokens = self.bm.allocate_prefix(seq)
-                if self.connector is not None and self._load_remote(seq):
+                if self.remote is not None and self.remote.start(seq, self.waiting):
                     continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
@@ -222,38 +222,10 @@ class Scheduler:
             budget -= n
         return self._output(scheduled, preempted, drafts)
 
-    def _next_waiting(self) -> Sequence:
-        """The waiting sequence to admit next: the first that holds blocks (its remote KV loaded: at most one
-        more block to run), else the head. A head short of blocks must not wait for those: a deadlock."""
-        if self.connector is not None:  # only a KV connector leaves blocks with waiting sequences
-            for seq in self.waiting:
-                if seq.block_ids:
-                    return seq
-        return self.waiting[0]
-
-    def _load_remote(self, seq: Sequence) -> bool:
-        """KV connector: a waiting prompt that a remote engine computed gets blocks for those tokens and
-        waits out of the queue while the worker loads them (this step); True if so."""
-        assert self.connector is not None
-        external = self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens)
-        if external == 0 or not self.bm.allocate_slots(seq, external):
-            return False
-        self.connector.update_state_after_alloc(seq, seq.block_ids, external)
-        seq.num_computed_tokens += external
-        self.waiting.popleft()
-        self.loading[seq.seq_id] = seq
-        return True
-
     def finish_loads(self, loaded: set[str], failed: set[str]) -> None:
-        """The worker loaded (or failed to load: recompute past the local prefix) these requests'
-        remote KV: back to the front of the queue, computed."""
-        for seq in list(self.loading.values()):
-            if seq.request_id in failed:
-                seq.num_computed_tokens = seq.num_cached_tokens
-            elif seq.request_id not in loaded:
-                continue
-            del self.loading[seq.seq_id]
-            seq.kv_transfer_params = None  # pulled or gone: never asked for again (a preemption recomputes)
+        """The worker loaded (or failed to load) these requests' remote KV: back to the front of the queue."""
+        assert self.remote is not None
+        for seq in self.remote.finish(loaded, failed):
             self.add(seq, front=True)
 
     def _lookahead(self, seq: Sequence, n: int) -> int:
@@ -264,30 +236,6 @@ class Scheduler:
         """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
         return max(min(self.max_model_len - seq.num_tokens, seq.max_output - seq.num_output_tokens), 0)
 
-    def _decode_steps(self, scheduled: list[tuple[Sequence, int]]) -> int:
-        """How many decode steps to run in one jitted loop: num_scheduler_steps when the batch is
-        decode-only, nothing waits, no sequence needs penalties or a token mask, and the pool has the
-        blocks. A stream (output kind "delta") loops only when the loop's tokens are streamed as they
-        are made: otherwise a loop's burst would reach it."""
-        k = self.num_scheduler_steps
-        if k == 1 or self.waiting or any(n != 1 for _, n in scheduled):
-            return 1
-        if any(
-            s.params.uses_penalties
-            or s.matcher is not None
-            or (
-                s.params.output_kind == "delta"
-                and not (self.stream_loops and streams_in_loop(s, s.num_computed_tokens))
-            )
-            or len(s.params.stop_token_ids) > MAX_BANNED_STOP_IDS
-            for s, _ in scheduled
-        ):
-            return 1
-        for s, _ in scheduled:
-            if not self.bm.allocate_slots(s, min(k, self.budget(s))):
-                return 1
-        return k
-
     def _output(
         self, scheduled: list[tuple[Sequence, int]], preempted: list[Sequence], drafts: dict[int, list[int]]
     ) -> SchedulerOutput:
@@ -296,7 +244,8 @@ class Scheduler:
         step that reads them runs after it)."""
         n = len(scheduled)
         seqs = [s for s, _ in scheduled]
-        num_steps = self._decode_steps(scheduled) if scheduled else 1
+        k = self.num_scheduler_steps
+        num_steps = loop_steps(scheduled, k, bool(self.waiting), self.stream_loops, self.bm, self.budget)
         rows = [(c, s.num_computed_tokens, len(s.tokens), s.num_pending) for s, c in scheduled]
         num_new, num_computed, num_tokens, num_pending = np.array(rows, np.int32).reshape(n, 4).T.copy()
         num_tokens += num_pending  # those still on the device count

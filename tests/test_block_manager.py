@@ -118,10 +118,10 @@ def test_sequences_with_loaded_kv_are_not_stuck_behind_a_head_short_of_blocks():
     bm = BlockManager(8, 4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, connector=SharedMemoryConnector(4))
     loaded = [Sequence(f"loaded{i}", 0, list(range(13)), PARAMS, 0, None) for i in range(2)]
-    for seq in loaded:  # what _load_remote and the worker leave: every prompt token but the last in place
+    for seq in loaded:  # what RemoteLoads.start and the worker leave: every prompt token but the last in place
         assert bm.allocate_slots(seq, 12)
         seq.num_computed_tokens = 12
-        sched.loading[seq.seq_id] = seq
+        sched.remote.loading[seq.seq_id] = seq
     sched.finish_loads({s.request_id for s in loaded}, set())
     head = Sequence("preempted", 0, list(range(100, 140)), PARAMS, 0, None)
     sched.add(head, front=True)  # its 16-token chunk needs 4 blocks, 2 are free

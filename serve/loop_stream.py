@@ -38,20 +38,24 @@ Row = tuple[str, int, int] | None
 _STOP = object()
 
 
-def device_tap(fn: Callable[[np.ndarray], None], mesh: Mesh | None = None) -> Callable[[jax.Array], None]:
-    """A traced op handing its int32 vector to `fn` on the host each time it runs: on one CPU device
-    a buffer callback reading the buffer in place (~30 us a call, io_callback costs ~100-250 us),
+def device_tap(fn: Callable[[np.ndarray], None], mesh: Mesh | None = None) -> Callable[[jax.Array], jax.Array]:
+    """A traced op handing its int32 vector to `fn` on the host each time it runs, returning a receipt
+    (int32 [1], no meaningful value) that the loop must carry to its outputs: on one CPU device a
+    buffer callback reading the buffer in place (~30 us a call, io_callback costs ~100-250 us) and
+    declared free of side effects, so the jitted loop keeps JAX's C++ dispatch (an effect sends every
+    call through Python's, 1-4 ms) while the carried receipt keeps XLA from dropping the call;
     otherwise an io_callback (the vector copied to the host), run by `mesh`'s first device."""
 
-    def on_cpu(x: jax.Array) -> None:
+    def on_cpu(x: jax.Array) -> jax.Array:
         def call(ctx, out, arr) -> None:
             fn(np.asarray(arr).copy())  # the buffer lives only during the call
 
-        buffer_callback(call, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(x)
+        return buffer_callback(call, jax.ShapeDtypeStruct((1,), jnp.int32))(x)
 
-    def elsewhere(x: jax.Array) -> None:
+    def elsewhere(x: jax.Array) -> jax.Array:
         device = None if mesh is None else SingleDeviceSharding(mesh.devices.flat[0])
         io_callback(lambda arr: fn(np.asarray(arr)), None, x, ordered=False, sharding=device)
+        return jnp.zeros((1,), jnp.int32)
 
     return on_cpu if jax.default_backend() == "cpu" and mesh is None else elsewhere
 

@@ -4,13 +4,15 @@ core driven as its process drives it gives streams the same tokens as single ste
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from serve_helpers import engine, prompts
 
 from serve import SamplingParams
 from serve.core_types import EngineCoreOutput, EngineCoreOutputs
-from serve.loop_stream import LoopTokenStream
+from serve.loop_stream import LoopTokenStream, device_tap
 
 
 def out(rid: str, tokens: list[int], finish: str | None = None) -> EngineCoreOutput:
@@ -107,6 +109,21 @@ def test_a_loop_behind_a_fully_streamed_loop_streams_before_its_results():
         [("a", [10], None)],  # loop 3's token, held until loop 2's results went out
         [("a", [], "length")],
     ]
+
+
+def test_the_tap_runs_every_iteration_and_leaves_the_loop_free_of_effects():
+    """The receipt carried to the loop's outputs keeps each call; no effect in the traced loop, so its
+    jitted function keeps JAX's C++ dispatch (an effect sends every call through Python's)."""
+    got: list[list[int]] = []
+    tap = device_tap(lambda v: got.append(v.tolist()))
+
+    def loop(x):
+        body = lambda c: (c[0] + 1, tap(jnp.stack([c[0], x + c[0]])))
+        return jax.lax.while_loop(lambda c: c[0] < 3, body, (jnp.int32(0), jnp.zeros((1,), jnp.int32)))
+
+    assert not jax.make_jaxpr(loop)(5).effects
+    jax.block_until_ready(jax.jit(loop)(5))
+    assert got == [[0, 5], [1, 6], [2, 7]]
 
 
 def test_streamed_decode_loops_give_single_step_tokens_one_per_output():

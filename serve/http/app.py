@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Mapping
 
 from fastapi import FastAPI
@@ -65,8 +66,13 @@ def build_app(
     async def lifespan(application: FastAPI) -> AsyncIterator[None]:
         application.state.loop = asyncio.get_running_loop()  # for callers on other threads (tests)
         engine.start()  # watch the core from now on, requests or not
-        yield
-        engine.shutdown()
+        gc.collect()
+        gc.freeze()  # the start-up heap is never garbage: full collections skip it (as vLLM's server)
+        try:
+            yield
+        finally:
+            gc.unfreeze()  # an in-process server (tests, notebooks) leaves the host's collector as it was
+            engine.shutdown()
 
     app = FastAPI(title="jaxinfra OpenAI-compatible server", lifespan=lifespan)
     app.state.server = state

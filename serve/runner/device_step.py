@@ -45,8 +45,9 @@ class DeviceStep:
     max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     num_compilations: int = 0
-    # called in each decode loop iteration with [step id, iteration, S tokens (-1: none), S stop codes]
-    loop_tap: Callable[[jax.Array], None] | None = None
+    # called in each decode loop iteration with [step id, iteration, S tokens (-1: none), S stop codes];
+    # returns a receipt the loop carries to its outputs (serve.loop_stream.device_tap)
+    loop_tap: Callable[[jax.Array], jax.Array] | None = None
     return_hidden: bool = False  # single and verify steps also return the flat batch's hidden states (EAGLE)
 
     def _traced(self) -> None:
@@ -199,8 +200,8 @@ class DeviceStep:
         """Up to num_steps decode steps; a row stops by the host's stop rule (`stops`) or at its budget,
         and the loop ends early once every row has stopped; each iteration's tokens go to `loop_tap`
         as they are made, when set. Tokens [K, S], -1 where none, each row's
-        last token (padded to max_num_seqs: what the next step feeds from the device) and, for an MoE
-        model, the token copies each expert took over the loop."""
+        last token (padded to max_num_seqs: what the next step feeds from the device), for an MoE
+        model the token copies each expert took over the loop, and the tap's last receipt."""
         model, stack = self._model(state)
         s = budget.shape[0]
         eos = jnp.asarray(self.eos_token_ids or (-1,), jnp.int32)
@@ -208,7 +209,7 @@ class DeviceStep:
         positions0, kv0, tables = inputs.positions, inputs.kv_lens, inputs.block_tables
 
         def body(carry):
-            i, ids, last, active, caches, acc, load = carry
+            i, ids, last, active, caches, acc, load, receipt = carry
             pos = positions0 + i
             block = tables[rows, jnp.minimum(pos // self.block_size, tables.shape[1] - 1)]
             slots = jnp.where(active, block * self.block_size + pos % self.block_size, -1)
@@ -224,14 +225,14 @@ class DeviceStep:
             stopped = by_rule | (i + 1 >= budget)
             if self.loop_tap is not None:  # per row: its token (-1: none), how it stopped (1: EOS, 2: a stop id)
                 how = jnp.where(by_rule, jnp.where(is_eos & ~t.ignore_eos, 1, 2), 0)
-                self.loop_tap(jnp.concatenate([step_id, i[None], jnp.where(active, out.tokens, -1), how]))
+                receipt = self.loop_tap(jnp.concatenate([step_id, i[None], jnp.where(active, out.tokens, -1), how]))
             acc = jax.tree.map(
                 lambda a, x: a.at[i].set(x),
                 acc,
                 (jnp.where(active, out.tokens, -1), out.logprob, out.top_ids, out.top_logprobs),
             )
             load = None if load is None else load + step_load
-            return i + 1, out.tokens, jnp.where(active, out.tokens, last), active & ~stopped, caches, acc, load
+            return i + 1, out.tokens, jnp.where(active, out.tokens, last), active & ~stopped, caches, acc, load, receipt
 
         acc = (
             jnp.full((num_steps, s), -1, jnp.int32),
@@ -242,8 +243,8 @@ class DeviceStep:
         ids = self._input_ids(inputs, prev_tokens)
         moe_layers = sum(self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers))
         load = jnp.zeros((moe_layers, self.cfg.num_experts), jnp.int32) if moe_layers else None
-        init = (jnp.int32(0), ids, ids, budget > 0, caches, acc, load)
-        _, _, last, _, caches, (tokens, lp, top_ids, top_lp), load = jax.lax.while_loop(
+        init = (jnp.int32(0), ids, ids, budget > 0, caches, acc, load, jnp.zeros((1,), jnp.int32))
+        _, _, last, _, caches, (tokens, lp, top_ids, top_lp), load, receipt = jax.lax.while_loop(
             lambda c: (c[0] < num_steps) & jnp.any(c[3]), body, init
         )
-        return SamplerOutput(tokens, lp, top_ids, top_lp), self._padded(last), caches, load
+        return SamplerOutput(tokens, lp, top_ids, top_lp), self._padded(last), caches, load, receipt

@@ -209,7 +209,7 @@ class ModelRunner:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
         if batch.budget is not None:
             buffers, layout = self._loop_buffers(batch)
-            out, self.prev_tokens, self.kv_cache, load = self._multi(
+            out, self.prev_tokens, self.kv_cache, load, _ = self._multi(  # _: the loop tap's receipt
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
             )
             self.inputs.dispatched(batch)

@@ -101,7 +101,6 @@ def test_abandoned_non_streaming_calls_are_aborted(server):
 
 def test_a_pathological_regex_is_a_400_that_stalls_no_stream(server, normal_gap):
     url, _, _ = server
-    normal_gap = max(normal_gap, normal_worst_gap(url))  # this box's load drifts: a fresh baseline too
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 5, "guided_regex": "(a{1000}){1000}"}
     with background_streams(url) as streams:
         t0 = time.monotonic()
@@ -111,7 +110,7 @@ def test_a_pathological_regex_is_a_400_that_stalls_no_stream(server, normal_gap)
     TALLY.notes.append(f"(a{{1000}}){{1000}} answered {r.status_code} in {took:.2f} s")
     assert TALLY.answer(r.status_code) == 400 and "grammar" in r.json()["error"]["message"]
     assert all(s.unharmed for s in streams)
-    assert max(s.worst_gap for s in streams) <= normal_gap + 1.0
+    assert max(s.worst_gap for s in streams) <= normal_gap + 0.5
 
 
 FIELDS = sorted(set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields))

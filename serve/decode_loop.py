@@ -18,10 +18,10 @@ def loop_steps(
     bm: BlockManager,
     budget: Callable[[Sequence], int],
 ) -> int:
-    """`num_scheduler_steps` when the batch is decode-only (and not empty), nothing waits, no sequence needs penalties
-    or a token mask, and the pool has the blocks for each row's `budget` (allocated here); else 1. A
-    stream (output kind "delta") loops only when the loop's tokens are streamed as they are made
-    (`stream_loops`): otherwise a loop's burst would reach it."""
+    """`num_scheduler_steps` when the batch is decode-only and not empty, nothing waits, no sequence
+    needs penalties or a token mask, and the pool has the blocks for each row's `budget` (allocated
+    here); else 1. A stream (output kind "delta") loops only when the loop's tokens are streamed as
+    they are made (`stream_loops`): otherwise a loop's burst would reach it."""
     k = num_scheduler_steps
     if k == 1 or waiting or not scheduled or any(n != 1 for _, n in scheduled):
         return 1

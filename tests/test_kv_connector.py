@@ -1,6 +1,7 @@
 """The shared-memory KV connector driven through its scheduler and worker hooks as an engine would:
 a prefill engine saves and offers a prompt's blocks, a decode engine with part of the prompt in its
-prefix cache loads the rest bitwise; a wrong prompt is not loaded; an expired offer is a failed load."""
+prefix cache loads the rest bitwise; a wrong prompt is not loaded; an expired offer is a failed load;
+an offer the decode engine will not load is freed at once."""
 
 from __future__ import annotations
 
@@ -98,6 +99,23 @@ def test_other_prompt_is_not_loaded_and_expired_offer_is_recomputed():
     d_conn.start_load_kv(d_conn.build_connector_meta(SchedulerOutput([], *(np.zeros(0, int),) * 4)))
     assert d_conn.get_finished() == (set(), set()) and d_conn.get_failed_loads() == {"r2"}
     assert d_conn.get_kv_connector_stats().num_failed_transfers == 1
+
+
+def test_offer_the_decode_engine_will_not_load_is_freed_at_once():
+    """A decode engine whose prefix cache holds the whole prompt, or whose request leaves before its
+    load, unlinks the offer then (the prefill engine counts it pulled); another prompt's offer is kept."""
+    p_conn = SharedMemoryConnector(block_size=4)
+    d_conn = SharedMemoryConnector(block_size=4)
+    cached, aborted = prefill(p_conn, random_pool("bf16", 0), "r8"), prefill(p_conn, random_pool("bf16", 0), "r9")
+    req = Req("r8", PROMPT, [], cached)
+    assert d_conn.get_num_new_matched_tokens(req, 9) == 0 and req.kv_transfer_params is None
+    assert not segment_exists(cached["handle"]["segment"])
+    d_conn.request_finished(Req("x", [*PROMPT[:-1], 1], [], aborted), [])  # not its prompt: not its offer
+    assert segment_exists(aborted["handle"]["segment"])
+    d_conn.request_finished(Req("r9", PROMPT, [], aborted), [])
+    assert not segment_exists(aborted["handle"]["segment"])
+    p_conn.get_finished()
+    assert len(p_conn.offers) == 0 and (p_conn.offers.blocks_pulled, p_conn.offers.blocks_expired) == (6, 0)
 
 
 def test_transfer_counters_on_metrics():

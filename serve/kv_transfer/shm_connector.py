@@ -9,7 +9,9 @@ unless a decode engine pulled it first.
 Decode engine: a request whose kv_transfer_params describe a segment for its own prompt counts every
 prompt token but the last as computed remotely (the last is recomputed to sample the first token),
 loads the blocks its local prefix cache lacks before the step, and falls back to recomputing the
-prompt if the segment is gone or does not fit.
+prompt if the segment is gone or does not fit. An offer it will not load (its prefix cache holds the
+whole prompt, or the request leaves first) is unlinked at once: the prefill engine need not hold it
+until it expires (vLLM's decode side notifies its prefill engine likewise).
 """
 
 from __future__ import annotations
@@ -59,6 +61,21 @@ class RemotePrefill(msgspec.Struct):
     digest: str
 
 
+def offer_for(request: Request) -> RemotePrefill | None:
+    """The offer the request's kv_transfer_params describe, if it holds this request's own prompt."""
+    params = request.kv_transfer_params or {}
+    if "handle" not in params:
+        return None
+    try:
+        remote = msgspec.convert(params, RemotePrefill)
+    except msgspec.ValidationError:
+        return None
+    prompt = request.tokens[: request.prompt_len]
+    if remote.num_tokens != request.prompt_len or remote.digest != prompt_digest(prompt):
+        return None
+    return remote
+
+
 class SharedMemoryConnector(KVConnectorBase):
     """Both roles in one object: a prefill engine uses the save half, a decode engine the load half."""
 
@@ -92,18 +109,15 @@ class SharedMemoryConnector(KVConnectorBase):
         if params.get("do_remote_decode"):
             self.remote_decode.add(request.request_id)
             return 0
-        if "handle" not in params:
-            return 0
-        try:
-            remote = msgspec.convert(params, RemotePrefill)
-        except msgspec.ValidationError:
-            return 0
-        prompt = request.tokens[: request.prompt_len]
-        if remote.num_tokens != request.prompt_len or remote.digest != prompt_digest(prompt):
+        remote = offer_for(request)
+        if remote is None:
             return 0
         external = max(request.prompt_len - 1 - num_computed_tokens, 0)
         if external:
             self.remote[request.request_id] = remote
+        else:  # the local prefix cache holds the prompt: free the prefill engine's copy now, not at expiry
+            release(remote.handle)
+            request.kv_transfer_params = None
         return external
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -130,6 +144,9 @@ class SharedMemoryConnector(KVConnectorBase):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.remote_decode.discard(request.request_id)
+        unpulled = offer_for(request)  # decode side, left before its load (aborted while waiting): free it
+        if unpulled is not None:
+            release(unpulled.handle)
         remote = self.saved.pop(request.request_id, None)
         if remote is None:
             return False, None

@@ -89,7 +89,7 @@ class EngineArgs:
     async_scheduling: bool = True
     """Prepare step n+1 on the host while step n runs on the device."""
     num_scheduler_steps: int = 1
-    """> 1: decode-only batches with nothing waiting run that many steps in one jitted loop."""
+    """> 1: decode-only batches no waiting request could join run that many steps in one jitted loop."""
     scheduling_policy: str = "fcfs"
     """fcfs | priority (requests' `priority` orders admission and preemption, lower first; vLLM's)."""
     speculative_config: dict[str, Any] | None = None

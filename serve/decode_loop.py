@@ -13,17 +13,18 @@ from serve.sequence import Sequence
 def loop_steps(
     scheduled: list[tuple[Sequence, int]],
     num_scheduler_steps: int,
-    waiting: bool,
+    admissible: bool,
     stream_loops: bool,
     bm: BlockManager,
     budget: Callable[[Sequence], int],
 ) -> int:
-    """`num_scheduler_steps` when the batch is decode-only and not empty, nothing waits, no sequence
-    needs penalties or a token mask, and the pool has the blocks for each row's `budget` (allocated
-    here); else 1. A stream (output kind "delta") loops only when the loop's tokens are streamed as
+    """`num_scheduler_steps` when the batch is decode-only and not empty, no waiting sequence could join
+    it now (`admissible`: one that waits for a free row does not break loops), no sequence needs
+    penalties or a token mask, and the pool has the blocks for each row's `budget` (allocated here);
+    else 1. A stream (output kind "delta") loops only when the loop's tokens are streamed as
     they are made (`stream_loops`): otherwise a loop's burst would reach it."""
     k = num_scheduler_steps
-    if k == 1 or waiting or not scheduled or any(n != 1 for _, n in scheduled):
+    if k == 1 or admissible or not scheduled or any(n != 1 for _, n in scheduled):
         return 1
     if any(
         s.params.uses_penalties

@@ -41,7 +41,8 @@ class Scheduler:
     Asynchronous scheduling: a running sequence whose last sampled token is still on the device is
     scheduled for it (the runner feeds it from the device); a waiting one is not admitted until its
     tokens are known, and one that has reached max_tokens is not scheduled again. A decode-only
-    batch with nothing waiting runs `num_scheduler_steps` steps in one jitted loop. With
+    batch that no waiting sequence could join (none waits, or every row is taken) runs
+    `num_scheduler_steps` steps in one jitted loop. With
     `stream_loops` a loop's tokens reach streams as they are made (serve.loop_stream), so streams
     may loop too; otherwise a stream's rows run single steps, each token its own output."""
 
@@ -245,7 +246,8 @@ class Scheduler:
         n = len(scheduled)
         seqs = [s for s, _ in scheduled]
         k = self.num_scheduler_steps
-        num_steps = loop_steps(scheduled, k, bool(self.waiting), self.stream_loops, self.bm, self.budget)
+        admissible = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        num_steps = loop_steps(scheduled, k, admissible, self.stream_loops, self.bm, self.budget)
         rows = [(c, s.num_computed_tokens, len(s.tokens), s.num_pending) for s, c in scheduled]
         num_new, num_computed, num_tokens, num_pending = np.array(rows, np.int32).reshape(n, 4).T.copy()
         num_tokens += num_pending  # those still on the device count

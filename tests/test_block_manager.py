@@ -111,6 +111,32 @@ def test_prefill_tokens_per_decode_caps_prompt_tokens_while_sequences_decode(per
     bm.check_invariants([a, b, c])
 
 
+def test_decode_loops_while_the_waiting_have_no_free_row():
+    """A decode-only batch loops num_scheduler_steps unless a waiting prompt could join it now: one that
+    waits for a free row (max_num_seqs taken) does not break the loop; each row loops within its budget."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, num_scheduler_steps=4)
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    a, b = _seq(range(5)), Sequence("r", 1, list(range(10, 15)), short, 0, None)
+    for seq in (a, b):
+        sched.add(seq)
+    sched.schedule()
+    for seq in (a, b):
+        seq.num_pending = 0
+        seq.tokens.append(1)
+    c = _seq(range(20, 25))
+    sched.add(c)  # no row for it
+    out = sched.schedule()
+    assert _rows(out) == [(a, 1), (b, 1)] and out.num_steps == 4
+    assert (a.num_pending, b.num_pending) == (4, 2)  # b's loop stops at max_tokens
+    sched.remove(b)
+    a.num_pending = 0
+    a.tokens += [1] * 4
+    out = sched.schedule()  # a row is free: c joins, a single step
+    assert _rows(out) == [(a, 1), (c, 5)] and out.num_steps == 1
+    bm.check_invariants([a, c])
+
+
 def test_sequences_with_loaded_kv_are_not_stuck_behind_a_head_short_of_blocks():
     """Disaggregation: sequences whose remote KV loaded wait holding their blocks; a preempted sequence put
     back at the head cannot get blocks while they hold them, so they are admitted first (they need at most

@@ -156,12 +156,16 @@ def run_engine_core(launch: CoreLaunch) -> None:
             idle = not core.has_work()
             if idle and grammars:
                 grammars.wait(GRAMMAR_POLL_S)
-            elif idle and not inp.poll(PARENT_CHECK_MS):
-                if os.getppid() != parent:
-                    return  # orphaned: the frontend is gone
-                if core.poll_kv_transfers():  # offers pulled or expired: the frontend's /metrics learns it
+            elif idle:
+                woke = inp.poll(PARENT_CHECK_MS)
+                # Offers pulled or expired: the frontend's /metrics learns it. Polled on every idle wake, so
+                # a client calling more often than PARENT_CHECK_MS does not starve it.
+                if core.poll_kv_transfers():
                     stream.send(EngineCoreOutputs(stats=core.stats()))
-                continue
+                if not woke:
+                    if os.getppid() != parent:
+                        return  # orphaned: the frontend is gone
+                    continue
             reply = EngineCoreOutputs(rejected=grammars.admit())
             arrived = False
             while inp.poll(0):

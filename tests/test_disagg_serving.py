@@ -9,11 +9,13 @@ import contextlib
 import types
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server, serve_in_thread
 
 from serve.kv_transfer.proxy import Proxy, build_proxy_app
+from serve.kv_transfer.shm_transport import ShmHandle, release
 
 LONG = "the quick brown fox jumps over the lazy dog " * 3  # ~130 tokens
 PROMPTS = [
@@ -80,6 +82,16 @@ def test_greedy_outputs_equal_colocated_under_load(servers):
     assert eventually(lambda: _settled(d_app) and _settled(p_app), timeout=30)
     p = core_stats(p_app).kv_transfer
     assert p.blocks_offered == p.blocks_pulled > 0 and p.blocks_expired == 0
+
+
+def test_an_idle_prefill_engine_frees_a_pulled_offer_while_stats_are_polled(servers):
+    """An idle prefill engine notices a pulled segment even when a client asks for its stats more often
+    than the core's idle wake-up (the poll had been skipped on every wake by a message)."""
+    body = dict(model=MODEL_NAME, prompt=LONG + "idle", max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = httpx.post(servers.p_url + "/v1/completions", json=body, timeout=600).json()["kv_transfer_params"]
+    assert eventually(lambda: core_stats(servers.p_app).kv_transfer.blocks_held > 0)
+    assert release(ShmHandle.from_params(params["handle"]))  # what a decode engine's pull leaves
+    assert eventually(lambda: core_stats(servers.p_app).kv_transfer.blocks_held == 0, timeout=15)
 
 
 def test_openai_client_streams_chat_through_proxy(servers):

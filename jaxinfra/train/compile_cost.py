@@ -11,7 +11,8 @@ from flax import nnx
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
-from jaxinfra.train.step import OptimConfig, TrainConfig, Trainer
+from jaxinfra.train.optimizer import OptimConfig
+from jaxinfra.train.step import TrainConfig, Trainer
 from sharding import MeshConfig, get_rules, make_mesh
 
 

@@ -12,7 +12,8 @@ import yaml
 
 from jaxinfra.checkpoint.manager import CheckpointConfig
 from jaxinfra.data import DataConfig
-from jaxinfra.train.step import OptimConfig, TrainConfig
+from jaxinfra.train.optimizer import OptimConfig
+from jaxinfra.train.step import TrainConfig
 from jaxinfra.yaml_config import build_dataclass, load_mapping
 from sharding import PRESETS, MeshConfig
 

@@ -27,7 +27,7 @@ from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import EagleHead, head_config, save_eagle_head
 from jaxinfra.train.config import RunConfig, dump_run_config
 from jaxinfra.train.logger import MetricsLogger, plot_losses
-from jaxinfra.train.step import make_optimizer
+from jaxinfra.train.optimizer import make_optimizer
 from pallas_kernels import DenseMetadata
 
 FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's regression and classification loss weights

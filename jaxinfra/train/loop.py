@@ -29,7 +29,8 @@ from jaxinfra.tokenizer import Tokenizer
 from jaxinfra.train.config import RunConfig, dump_run_config
 from jaxinfra.train.eagle import train_eagle
 from jaxinfra.train.logger import MetricsLogger, plot_losses
-from jaxinfra.train.step import Trainer, TrainState, make_schedule, per_device_bytes
+from jaxinfra.train.optimizer import make_schedule
+from jaxinfra.train.step import Trainer, TrainState, per_device_bytes
 from jaxinfra.train.throughput import device_memory_gib, device_peak_tflops, flops_per_token
 from sharding import get_rules, make_mesh
 

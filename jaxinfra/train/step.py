@@ -31,6 +31,7 @@ from jaxinfra.models.llama import (
     unstack_layers,
 )
 from jaxinfra.models.sharded_attention import zigzag_order, zigzag_tokens
+from jaxinfra.train.optimizer import OptimConfig, make_optimizer
 from jaxinfra.train.pipeline import SCHEDULES, PipelineSchedule, pipeline_lm_loss, split_microbatches
 from pallas_kernels import default_impl
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
@@ -40,23 +41,10 @@ Params = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with warmup + cosine decay and global-norm clipping."""
-
-    learning_rate: float = 3e-4
-    warmup_steps: int = 100
-    total_steps: int = 10_000
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The sharded step: its optimizer, gradient accumulation, rematerialisation and compute dtype."""
 
-    optim: OptimConfig = OptimConfig()
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     microbatches: int = 1
     remat: str = "none"
     compute_dtype: str = "bfloat16"
@@ -96,23 +84,6 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.microbatches must be >= 1, got {self.microbatches}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"TrainConfig.compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
-
-
-def make_schedule(cfg: OptimConfig) -> optax.Schedule:
-    """Linear warmup from 0 to learning_rate, then cosine decay to 0 at total_steps."""
-    return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1)
-    )
-
-
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """AdamW with the schedule above and global-norm clipping; no decay on vectors (norms, biases)."""
-    schedule = make_schedule(cfg)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
-    )
 
 
 @jax.tree_util.register_dataclass

@@ -5,7 +5,7 @@
 // token i sees key positions <= kv_len - q_len + i (and within the sliding window, if any); tokens
 // past cu_q_lens[S] return zeros. Keys and values are read in place from the pools, a page at a
 // time, with an online softmax: nothing is gathered or copied, which is what the XLA formulation
-// spends most of its time on. Work units (sequence, KV head, block of query tokens) are shared
+// spends most of its time on. Work units (sequence, block of query tokens, all KV heads) are shared
 // between the caller and XLA's intra-op thread pool.
 
 #include <algorithm>
@@ -30,7 +30,6 @@ constexpr int64_t kUnitsPerGrab = 4;  // units a worker takes at once from the s
 
 struct Unit {
   int32_t seq;
-  int32_t kv_head;
   int32_t first;  // flat index of the unit's first new token
   int32_t count;  // its new tokens
 };
@@ -60,71 +59,87 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// One unit: rows (token, query head of the KV group) attend over their sequence's pages.
+// One unit: rows (KV head, new token, query head of its group) attend over their sequence's pages.
+// A page is read in address order, key by key across all KV heads, so its keys and values stream
+// through once: a decode step is memory-bound, and reading one head's slice of every key (the
+// pool's stride) got half the bandwidth.
 void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
   const int64_t g = job.group, d = job.dim, bs = job.block_size;
-  const int64_t rows = u.count * g;
+  const int64_t per_head = u.count * g;  // rows of one KV head
+  const int64_t rows = job.kv_heads * per_head;
   const int32_t q_len = job.cu[u.seq + 1] - job.cu[u.seq];
   const int32_t kv_len = job.kv_lens[u.seq];
   const int64_t first_pos = int64_t{kv_len} - q_len + (u.first - job.cu[u.seq]);
   const int64_t last_pos = std::min<int64_t>(first_pos + u.count - 1, job.max_blocks * bs - 1);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   scratch.resize(rows * (d + 2 + bs));
   float* acc = scratch.data();
   float* m = acc + rows * d;
   float* l = m + rows;
-  float* s = l + rows;  // [rows, bs] scores of one page
+  float* s = l + rows;  // [rows, bs] scores of one page, then their weights
   std::fill(acc, acc + rows * d, 0.f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.f);
   if (last_pos < 0) return;
+  // Row r: KV head r / per_head, new token (r % per_head) / g, query head r % g of the group.
+  auto query = [&](int64_t r) {
+    const int64_t t = (r % per_head) / g;
+    return (u.first + t) * job.heads + (r / per_head) * g + r % g;
+  };
   int64_t lo = 0;
   if (job.window > 0) lo = std::max<int64_t>(0, first_pos - job.window + 1);
   const int32_t* table = job.block_tables + int64_t{u.seq} * job.max_blocks;
+  const int64_t stride = job.kv_heads * d;  // between consecutive keys of one head
   for (int64_t page = lo / bs; page <= last_pos / bs; ++page) {
     const int64_t block = std::clamp<int64_t>(table[page], 0, job.num_blocks - 1);
     const int64_t keys = std::min<int64_t>(bs, last_pos - page * bs + 1);
-    const float* kp = job.k + (block * bs * job.kv_heads + u.kv_head) * d;
-    const float* vp = job.v + (block * bs * job.kv_heads + u.kv_head) * d;
-    const int64_t stride = job.kv_heads * d;  // between consecutive keys of one head
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t t = r / g;
-      const int64_t pos = first_pos + t;
-      const float* qr = job.q + ((u.first + t) * job.heads + u.kv_head * g + r % g) * d;
-      float* sr = s + r * bs;
-      float page_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < keys; ++j) {
-        const int64_t p = page * bs + j;
-        const bool visible = p <= pos && (job.window <= 0 || pos - p < job.window);
-        float x = -std::numeric_limits<float>::infinity();
-        if (visible) {
-          x = Dot(qr, kp + j * stride, d) * job.scale;
+    const float* kp = job.k + block * bs * job.kv_heads * d;
+    const float* vp = job.v + block * bs * job.kv_heads * d;
+    for (int64_t j = 0; j < keys; ++j) {
+      const int64_t p = page * bs + j;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first_pos + (r % per_head) / g;
+        float x = kNegInf;
+        if (p <= pos && (job.window <= 0 || pos - p < job.window)) {
+          x = Dot(job.q + query(r) * d, kp + j * stride + (r / per_head) * d, d) * job.scale;
           if (job.softcap > 0.f) x = job.softcap * std::tanh(x / job.softcap);
         }
-        sr[j] = x;
-        page_max = std::max(page_max, x);
+        s[r * bs + j] = x;
       }
-      if (page_max == -std::numeric_limits<float>::infinity()) continue;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * bs;
+      const float page_max = *std::max_element(sr, sr + keys);
       const float m_new = std::max(m[r], page_max);
+      if (m_new == kNegInf) {  // nothing visible yet
+        std::fill(sr, sr + keys, 0.f);
+        continue;
+      }
       const float corr = std::exp(m[r] - m_new);  // 0 while m[r] is -inf
-      float* ar = acc + r * d;
       float sum = l[r] * corr;
+      for (int64_t j = 0; j < keys; ++j) {
+        sr[j] = sr[j] == kNegInf ? 0.f : std::exp(sr[j] - m_new);
+        sum += sr[j];
+      }
+      float* ar = acc + r * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
-      for (int64_t j = 0; j < keys; ++j) {
-        if (sr[j] == -std::numeric_limits<float>::infinity()) continue;
-        const float p = std::exp(sr[j] - m_new);
-        sum += p;
-        const float* vr = vp + j * stride;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) ar[i] += p * vr[i];
-      }
       m[r] = m_new;
       l[r] = sum;
     }
+    for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float w = s[r * bs + j];
+        if (w == 0.f) continue;
+        const float* vr = vp + j * stride + (r / per_head) * d;
+        float* ar = acc + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ar[i] += w * vr[i];
+      }
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = r / g;
-    float* o = job.out + ((u.first + t) * job.heads + u.kv_head * g + r % g) * d;
+    float* o = job.out + query(r) * d;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
@@ -190,10 +205,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     }
     const int64_t a = std::min<int64_t>(job->cu[s], n), b = std::min<int64_t>(job->cu[s + 1], n);
     for (int64_t t = a; t < b; t += kQueryBlock) {
-      for (int64_t h = 0; h < job->kv_heads; ++h) {
-        job->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(t),
-                              static_cast<int32_t>(std::min(kQueryBlock, b - t))});
-      }
+      job->units.push_back(
+          {static_cast<int32_t>(s), static_cast<int32_t>(t), static_cast<int32_t>(std::min(kQueryBlock, b - t))});
     }
   }
   const int64_t units = static_cast<int64_t>(job->units.size());

@@ -73,6 +73,12 @@ class PagedMetadata:
 def _scatter_slots(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     flat = pool.reshape(-1, *pool.shape[2:])
     slots = jnp.where(slots < 0, flat.shape[0], slots)  # padding -> out of range -> dropped
+    if slots.shape[0] == 1:
+        # XLA turns a one-index scatter into a select over a dynamic-update-slice of the whole pool,
+        # which it cannot do in place outside a loop (a copy of the pool per layer); a second,
+        # dropped index keeps it a scatter.
+        slots = jnp.concatenate([slots, jnp.full((1,), flat.shape[0], slots.dtype)])
+        new = jnp.concatenate([new, jnp.zeros_like(new)])
     return flat.at[slots].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
 
 

@@ -86,6 +86,11 @@ class EngineArgs:
     replicated over the extra ones); tokens travel to their experts' devices and back."""
     attn_impl: str | None = None
     """pallas | xla | reference (default: pallas on GPU, xla elsewhere)."""
+    scan_layers: bool = True
+    """Run identical layers as one lax.scan over their stacked weights: warm-up compiles one layer body
+    whatever the depth. Off: the layers are unrolled, each reading its own weights. XLA on CPU copies a
+    scanned layer's weights out of the stack on every step, so a small model there steps faster
+    unrolled (configs/serve/cpu.yaml) and a deep one starts faster scanned."""
     async_scheduling: bool = True
     """Prepare step n+1 on the host while step n runs on the device."""
     num_scheduler_steps: int = 1

@@ -106,6 +106,7 @@ class EngineCore:
             tensor_parallel_size=args.tensor_parallel_size,
             expert_parallel_size=ep,
             attn_impl=args.attn_impl,
+            scan_layers=args.scan_layers,
             num_scheduler_steps=args.num_scheduler_steps,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             draft_model=draft,

@@ -184,17 +184,24 @@ def test_a_hit_needs_the_same_parent(monkeypatch):
     bm.check_invariants([a, y, z])
 
 
-def test_compiled_steps_never_copy_a_kv_pool():
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_compiled_steps_never_copy_a_kv_pool(scan_layers):
     """Every step shape updates the donated KV pool (every layer's, stacked) in place: no copy of it,
-    flattened or whole, nor of one layer's, in the compiled HLO (a copy costs a pass over the cache)."""
-    eng = engine(num_scheduler_steps=4)
+    flattened or whole, nor of one layer's, in the compiled HLO (a copy costs a pass over the cache),
+    layers scanned or unrolled; a one-token step too (XLA rewrites a one-index scatter)."""
+    eng = engine(num_scheduler_steps=4, scan_layers=scan_layers)
     runner = eng.core.runner
     num_layers, blocks, *rest = runner.kv_cache.k.shape
     pools = [
         f"[{','.join(map(str, shape))}]"
         for shape in ((num_layers, blocks, *rest), (num_layers * blocks, *rest), (blocks, *rest))
     ]
-    shapes = [runner.shapes()[0], runner.shapes()[-1], (8, 8, runner.width_buckets[-1], 1)]
+    shapes = [
+        runner.shapes()[0],
+        runner.shapes()[-1],
+        (8, 8, runner.width_buckets[-1], 1),
+        (1, 1, runner.width_buckets[0], 1),
+    ]
     batches = [runner.dummy(*shape) for shape in shapes] + [runner.dummy(8, 8, runner.width_buckets[-1], 1, 4)]
     for batch in batches:
         lines = runner.compiled_text(batch).splitlines()

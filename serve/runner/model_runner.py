@@ -47,15 +47,19 @@ def device_step(
     eos_token_ids: tuple[int, ...] = (),
     mesh: Any = None,
     activation_rules: Any = None,
+    scan_layers: bool = True,
 ) -> tuple[DeviceStep, list]:
-    """The jitted steps' closure for `model` (split into graphdef and placed `state`) and its weights."""
+    """The jitted steps' closure for `model` (split into graphdef and placed `state`) and its weights;
+    with `scan_layers`, identical layers' weights are stacked once here and scanned in every step."""
     params = nnx.to_pure_dict(state)
     template = list(nnx.to_flat_state(state))
-    try:  # identical layers: their weights stacked once here, scanned in every step
-        stacked: tuple[nnx.GraphDef, list] | None = layer_graph(model.layers)
-        params = stack_layers(params)
-    except ValueError:
-        stacked = None
+    stacked: tuple[nnx.GraphDef, list] | None = None
+    if scan_layers:
+        try:
+            stacked = layer_graph(model.layers)
+            params = stack_layers(params)
+        except ValueError:  # layers that differ (e.g. partly quantized) run one after the other
+            stacked = None
     # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
     weights, state_def = jax.tree.flatten(params)
     constants = (mesh, activation_rules, block_size, max_num_seqs, eos_token_ids)
@@ -77,6 +81,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         attn_impl: str | None = None,
+        scan_layers: bool = True,
         num_scheduler_steps: int = 1,
         num_speculative_tokens: int = 0,
         draft_model: LlamaModel | None = None,
@@ -120,7 +125,15 @@ class ModelRunner:
                 self.kv_cache,
             )
         self.device, self.weights = device_step(
-            model, graphdef, self.state, block_size, max_num_seqs, self.eos_token_ids, mesh, rules.activations
+            model,
+            graphdef,
+            self.state,
+            block_size,
+            max_num_seqs,
+            self.eos_token_ids,
+            mesh,
+            rules.activations,
+            scan_layers,
         )
         self.layer_graph = self.device.layer_graph
         self.draft = None

@@ -304,6 +304,24 @@ def test_cache_write_drops_padding_and_donates():
     assert (np.asarray(out.v).reshape(12, 2, D)[5] == 2).all()
 
 
+@pytest.mark.parametrize("slot", [6, -1])
+def test_one_token_cache_write(slot):
+    """A one-token write (a batch-1 decode step) lands in its slot or, as padding, nowhere; the pool
+    is updated in place (XLA's one-index scatter rewrite is kept out: see `_scatter_slots`)."""
+    cache = PagedKVCache.zeros(3, 4, 2, D, jnp.float32)
+    before = jax.random.normal(jax.random.key(3), cache.k.shape)
+    want = np.asarray(before).reshape(12, 2, D).copy()
+    cache = PagedKVCache(before, -before)
+    new = jax.random.normal(jax.random.key(4), (1, 2, D))
+    write = jax.jit(lambda c, k, s: c.write(k, -k, s), donate_argnums=0)
+    out = write(cache, new, jnp.asarray([slot]))
+    assert before.is_deleted()  # donated: updated in place
+    if slot >= 0:
+        want[slot] = np.asarray(new[0])
+    np.testing.assert_array_equal(np.asarray(out.k).reshape(12, 2, D), want)
+    np.testing.assert_array_equal(np.asarray(out.v).reshape(12, 2, D), -want)
+
+
 @pytest.mark.parametrize("dtype,rel", [("int8", 0.5 / 127), ("fp8", 2.0**-4)])
 def test_quantized_cache_write_round_trips(dtype, rel):
     """int8: error <= half a step of amax/127; fp8 e4m3 (3 mantissa bits): relative error <= 2^-4."""

@@ -50,12 +50,16 @@ def test_greedy_with_ngram_speculation_is_token_identical(plain):
     assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[1] >= spec.accepted_per_pos[2]
 
 
-def test_greedy_with_a_draft_model_is_token_identical(plain):
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_greedy_with_a_draft_model_is_token_identical(plain, scan_layers):
     """Batching, chunked prefill, prefix caching and preemption with the draft on its own KV pool. The
     draft is the target itself (same preset and seed): its drafts are accepted only if its pool
-    mirrors the target's, token for token."""
+    mirrors the target's, token for token. Unrolled layers (both models') match the scanned plain run."""
     spec = {"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 3}
-    eng = engine(**SMALL, speculative_config=spec)
+    eng = engine(**SMALL, speculative_config=spec, scan_layers=scan_layers)
+    runner = eng.core.runner
+    assert runner.draft is not None
+    assert (runner.layer_graph is not None) == (runner.draft.device.layer_graph is not None) == scan_layers
     got = _tokens(run(eng, _workload()))
     assert got == plain
     stats = eng.stats()

@@ -140,7 +140,9 @@ class ModelRunner:
         if draft_model is not None:  # no eos: the draft proposes greedily, the target's sampler stops
             draft_graphdef, draft_state = nnx.split(draft_model)
             self.draft = DraftModelRunner(
-                *device_step(draft_model, draft_graphdef, draft_state, block_size, max_num_seqs),
+                *device_step(
+                    draft_model, draft_graphdef, draft_state, block_size, max_num_seqs, scan_layers=scan_layers
+                ),
                 num_blocks=num_blocks,
                 block_size=block_size,
                 kv_cache_dtype=kv_cache_dtype,

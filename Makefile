@@ -18,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
 	-$(VENV)/bin/python -m pallas_kernels.cpu_paged_attention  # our CPU attention kernel (without a C++ compiler: XLA's)
+	-$(VENV)/bin/python -m serve.pipe_tap  # the decode loop's C++ token tap (without a C++ compiler: a Python callback)
 	touch $@
 
 # The main job: the OpenAI-compatible server on the embedded default model (prints how to query it).

@@ -27,7 +27,7 @@ from serve.expert_load import ExpertLoad
 from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
-from serve.loop_stream import LoopTokenStream, device_tap, streams_in_loop
+from serve.loop_stream import LoopTokenStream, streams_in_loop
 from serve.request_state import CoreRequest
 from serve.runner import InFlight, ModelRunner
 from serve.scheduler import Scheduler
@@ -129,7 +129,7 @@ class EngineCore:
             raise RuntimeError("EngineCore.stream_loops must be called before the first step is compiled")
         self.loop_stream = stream
         self.scheduler.stream_loops = True
-        self.runner.device.loop_tap = device_tap(stream.tap, self.runner.device.mesh)
+        self.runner.device.loop_tap = stream.device_tap(self.runner.device.mesh)
 
     @staticmethod
     def _proposer(spec: SpeculativeConfig | None) -> NgramProposer | DraftSlots | EagleDrafts | None:

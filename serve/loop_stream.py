@@ -1,63 +1,41 @@
 """A decode loop's tokens reach streams as the loop makes them, each its own output.
 
-The loop hands each iteration's tokens and stop codes to the host through a device tap; a sender
-thread, the only one that sends the core's messages, turns them into one-token outputs, a row's last
-with its finish reason (the same rule as the host's, so a stream ends with its last token, not when
-the loop does). Order is kept by holding a
-step's tokens until every earlier step's results went out (so a token never overtakes the one
-before it, and rows that finished earlier are dropped), and by removing from a step's results the
-tokens already streamed. Everything goes through one queue, so the sender sees the events in the
-order they happened: a step registered before it is dispatched, its taps before its results. A loop's
-tokens need not wait for an earlier loop's results when that loop streamed every row (`_ready`): at a
-loop boundary the next loop's first token goes out without waiting for the host to read the last.
+The loop hands each iteration's tokens and stop codes to the host through a device tap writing to a
+pipe (serve.pipe_tap); a sender thread, the only one that sends the core's messages, reads it and
+turns them into one-token outputs, a row's last with its finish reason (the same rule as the host's,
+so a stream ends with its last token, not when the loop does). Order is kept by holding a step's
+tokens until every earlier step's results went out (so a token never overtakes the one before it,
+and rows that finished earlier are dropped), and by removing from a step's results the tokens already
+streamed. Everything goes through the one pipe (the core's own events as markers for a queue beside
+it), so the sender sees the events in the order they happened: a step registered before it is
+dispatched, its taps before its results. A loop's tokens need not wait for an earlier loop's results
+when that loop streamed every row (`_ready`): at a loop boundary the next loop's first token goes out
+without waiting for the host to read the last.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
-import queue
 import sys
 import threading
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
-from jax.experimental.buffer_callback import buffer_callback
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from serve.core_types import EngineCoreOutput, EngineCoreOutputs
+from serve.pipe_tap import TapPipe
 from serve.sequence import Sequence
 
 # A streamed row: (request id, sequence index, the loop token that ends it by max_tokens or max_model_len,
 # 0 if none), None for one that is not streamed
 Row = tuple[str, int, int] | None
 _STOP = object()
-
-
-def device_tap(fn: Callable[[np.ndarray], None], mesh: Mesh | None = None) -> Callable[[jax.Array], jax.Array]:
-    """A traced op handing its int32 vector to `fn` on the host each time it runs, returning a receipt
-    (int32 [1], no meaningful value) that the loop must carry to its outputs: on one CPU device a
-    buffer callback reading the buffer in place (~30 us a call, io_callback costs ~100-250 us) and
-    declared free of side effects, so the jitted loop keeps JAX's C++ dispatch (an effect sends every
-    call through Python's, 1-4 ms) while the carried receipt keeps XLA from dropping the call;
-    otherwise an io_callback (the vector copied to the host), run by `mesh`'s first device."""
-
-    def on_cpu(x: jax.Array) -> jax.Array:
-        def call(ctx, out, arr) -> None:
-            fn(np.asarray(arr).copy())  # the buffer lives only during the call
-
-        return buffer_callback(call, jax.ShapeDtypeStruct((1,), jnp.int32))(x)
-
-    def elsewhere(x: jax.Array) -> jax.Array:
-        device = None if mesh is None else SingleDeviceSharding(mesh.devices.flat[0])
-        io_callback(lambda arr: fn(np.asarray(arr)), None, x, ordered=False, sharding=device)
-        return jnp.zeros((1,), jnp.int32)
-
-    return on_cpu if jax.default_backend() == "cpu" and mesh is None else elsewhere
 
 
 @dataclasses.dataclass
@@ -74,7 +52,8 @@ class LoopTokenStream:
 
     def __init__(self, send: Callable[[EngineCoreOutputs], None]) -> None:
         self._send = send
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pipe = TapPipe()
+        self._events: collections.deque[Any] = collections.deque()  # one pipe marker each
         self._steps: dict[int, _Step] = {}  # dispatched, results not yet sent (ids ascending)
         self._done = -1  # the last step id whose results were sent
         self._finished: set[tuple[str, int]] = set()  # rows the last results finished
@@ -84,29 +63,47 @@ class LoopTokenStream:
     # --- called by the core's threads -------------------------------------------------------------
     def register(self, step_id: int, rows: list[Row] | None) -> None:
         """A step about to be dispatched (every step, in order): a loop with its streamed rows, or None."""
-        self._queue.put(("register", step_id, rows))
+        self._post(("register", step_id, rows))
+
+    def device_tap(self, mesh: Mesh | None = None) -> Callable[[jax.Array], jax.Array]:
+        """The traced tap a decode loop calls each iteration with [step id, loop iteration, S tokens
+        (-1: none), S stop codes] (serve.pipe_tap.TapPipe.device_tap)."""
+        return self._pipe.device_tap(mesh)
 
     def tap(self, values: np.ndarray) -> None:
-        """The device tap's callback: [step id, loop iteration, S tokens (-1: none), S stop codes]."""
-        self._queue.put(("tap", values))
+        """What the device tap writes, from the host: one iteration's values as above."""
+        self._pipe.write(values)
 
     def results(self, msg: EngineCoreOutputs, applied: int) -> None:
         """A step's message carrying the results of every step up to `applied` (-1: none yet)."""
-        self._queue.put(("results", msg, applied))
+        self._post(("results", msg, applied))
 
     def send(self, msg: EngineCoreOutputs) -> None:
         """Any other message (stats while idle, a utility call's answer)."""
-        self._queue.put(("send", msg))
+        self._post(("send", msg))
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then stop the sender."""
-        self._queue.put(_STOP)
+        self._post(_STOP)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._pipe.close()
+
+    def _post(self, event: Any) -> None:
+        self._events.append(event)  # before its marker: the reader pops it when it reads the marker
+        self._pipe.mark()
 
     # --- the sender thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while (event := self._queue.get()) is not _STOP:
+            while True:
+                values = self._pipe.read()
+                if values is not None:
+                    self._on_tap(values)
+                    continue
+                event = self._events.popleft()
+                if event is _STOP:
+                    return
                 kind, *args = event
                 getattr(self, f"_on_{kind}")(*args)
         except BaseException:  # the frontend must see a dead core, not a silent one

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxinfra.sampling import filter_logits, top_p_min_p_cutoff
+from jaxinfra.sampling import argmax, filter_logits, top_p_min_p_cutoff
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # When every filtered random row's support lies within this many top logits, sampling works on
@@ -164,7 +164,7 @@ def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
 
     def full_sort() -> jax.Array:
-        return jnp.argmax(filter_logits(scaled, top_k=t.top_k, top_p=t.top_p, min_p=t.min_p) + noise, axis=-1)
+        return argmax(filter_logits(scaled, top_k=t.top_k, top_p=t.top_p, min_p=t.min_p) + noise)
 
     if v <= TOPK_CANDIDATES:
         return full_sort().astype(jnp.int32)
@@ -178,9 +178,7 @@ def _random_tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     cutoff = top_p_min_p_cutoff(vals, t.top_p, t.min_p, log_mass=log_mass)
     within = topk_on | (no_topk & (vals[:, -1] < cutoff[:, 0]))  # the last candidate is already cut
     pick = jnp.argmax(jnp.where(vals >= cutoff, vals, -jnp.inf) + jnp.take_along_axis(noise, ids, axis=1), axis=-1)
-    shortcut = jnp.where(
-        unfiltered, jnp.argmax(scaled + noise, axis=-1), jnp.take_along_axis(ids, pick[:, None], 1)[:, 0]
-    )
+    shortcut = jnp.where(unfiltered, argmax(scaled + noise), jnp.take_along_axis(ids, pick[:, None], 1)[:, 0])
     cheap = jnp.all((t.temperature <= 0) | unfiltered | within)
     return jax.lax.cond(cheap, lambda: shortcut, full_sort).astype(jnp.int32)
 
@@ -196,7 +194,7 @@ def sample(
     path at run time. Logprobs are of `raw_logits` (the model's, before penalties; default `logits`)."""
     raw = (logits if raw_logits is None else raw_logits).astype(jnp.float32)
     masked = ban_held_tokens(logits.astype(jnp.float32), t, eos_ids)
-    greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
+    greedy = argmax(masked)
     tokens = jax.lax.cond(
         jnp.any(t.temperature > 0),
         lambda: jnp.where(t.temperature > 0, _random_tokens(masked, t), greedy),

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxinfra
-from jaxinfra.sampling import filter_logits, sample_logits
+from jaxinfra.sampling import ARGMAX_CHUNK, argmax, filter_logits, sample_logits
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,23 @@ def test_filter_logits_keeps_the_right_sets():
     assert kept.tolist() == [[True, False, True, False], [False, False, True, True]]
     kept = np.isfinite(np.asarray(filter_logits(logits, top_p=0.75)))
     assert kept.tolist() == [[True, False, True, False], [False, True, True, True]]
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 4096, 5003])
+def test_two_pass_argmax_equals_jnp_argmax(vocab):
+    """Same index as jnp.argmax on random logits, with ties (the first wins, across chunks too), -inf
+    rows, NaN (counted as the largest) and a vocabulary that is no multiple of the chunk; batch axes kept."""
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((3, 9, vocab)).astype(np.float32)
+    x[0, 0] = np.round(x[0, 0])  # many ties, first in the lowest chunk
+    x[0, 1, -1] = x[0, 1, 0] = x[0, 1].max() + 1  # a tie between the first and last chunk
+    x[0, 2] = -np.inf
+    x[0, 3, vocab // 2] = np.nan
+    x[0, 4, [1, vocab - 1]] = np.nan
+    x[1, 0, -1] = 100.0  # the largest in the padded last chunk
+    got = jax.jit(argmax)(jnp.asarray(x))
+    assert got.dtype == jnp.int32 and got.shape == (3, 9)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
 
 
 def test_sampling_follows_the_distribution():

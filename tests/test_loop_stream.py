@@ -12,7 +12,8 @@ from serve_helpers import engine, prompts
 
 from serve import SamplingParams
 from serve.core_types import EngineCoreOutput, EngineCoreOutputs
-from serve.loop_stream import LoopTokenStream, device_tap
+from serve.loop_stream import LoopTokenStream
+from serve.pipe_tap import TapPipe
 
 
 def out(rid: str, tokens: list[int], finish: str | None = None) -> EngineCoreOutput:
@@ -111,19 +112,32 @@ def test_a_loop_behind_a_fully_streamed_loop_streams_before_its_results():
     ]
 
 
-def test_the_tap_runs_every_iteration_and_leaves_the_loop_free_of_effects():
+@pytest.mark.parametrize("native", [True, False], ids=["ffi", "io_callback"])
+def test_the_tap_runs_every_iteration_and_leaves_the_loop_free_of_effects(native, monkeypatch):
     """The receipt carried to the loop's outputs keeps each call; no effect in the traced loop, so its
-    jitted function keeps JAX's C++ dispatch (an effect sends every call through Python's)."""
-    got: list[list[int]] = []
-    tap = device_tap(lambda v: got.append(v.tolist()))
+    jitted function keeps JAX's C++ dispatch (an effect sends every call through Python's). Each call
+    is one message on the pipe, in order with the markers written around the loop, by the C++ call on
+    one CPU device and by Python (an io_callback) where that library is missing."""
+    pipe = TapPipe()
+    assert (pipe._lib is not None) or not native, "the C++ tap did not build here"
+    if not native:
+        monkeypatch.setattr(pipe, "_lib", None)
+    tap = pipe.device_tap()
 
     def loop(x):
-        body = lambda c: (c[0] + 1, tap(jnp.stack([c[0], x + c[0]])))
+        body = lambda c: (c[0] + 1, tap(jnp.stack([c[0], x + c[0], -c[0]])))
         return jax.lax.while_loop(lambda c: c[0] < 3, body, (jnp.int32(0), jnp.zeros((1,), jnp.int32)))
 
-    assert not jax.make_jaxpr(loop)(5).effects
+    if native:
+        assert not jax.make_jaxpr(loop)(5).effects
+        assert "jaxinfra_pipe_tap" in jax.jit(loop).lower(5).as_text()
+    pipe.mark()
     jax.block_until_ready(jax.jit(loop)(5))
-    assert got == [[0, 5], [1, 6], [2, 7]]
+    pipe.mark()
+    got = [pipe.read() for _ in range(5)]
+    pipe.close()
+    assert got[0] is None and got[-1] is None
+    assert [v.tolist() for v in got[1:-1]] == [[0, 5, 0], [1, 6, -1], [2, 7, -2]]
 
 
 def test_streamed_decode_loops_give_single_step_tokens_one_per_output():

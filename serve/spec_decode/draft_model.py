@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxinfra.sampling import argmax
 from pallas_kernels import PagedKVCache, paged_head_dim
 from pallas_kernels.kv_quant import is_quantized_kv
 from pallas_kernels.paged_tiles import kernel_work_list
@@ -73,7 +74,7 @@ class DraftStep:
         pos0, kv0 = inputs.positions[first], inputs.kv_lens - num_drafts
         # one query token a row; the plan's pages reach the last position any row writes
         decode_inputs = one_token_rows(inputs, kv0 + num_drafts, d.block_size)
-        token = jnp.argmax(model.logits(h[first]), axis=-1).astype(jnp.int32)
+        token = argmax(model.logits(h[first]))
 
         def body(j, carry):
             token, drafts, caches = carry
@@ -83,7 +84,7 @@ class DraftStep:
             slots = row_slots(inputs.block_tables, pos, active, d.block_size)
             meta = d._meta(decode_inputs, jnp.where(active, kv0 + j, 0), slots, 1, jnp.where(active, pos, -1))
             hj, caches = model.hidden_states(token[None], pos[None], meta, caches, stack)
-            nxt = jnp.argmax(model.logits(hj[0]), axis=-1).astype(jnp.int32)
+            nxt = argmax(model.logits(hj[0]))
             return nxt, drafts, caches
 
         drafts = jnp.full((s, k), -1, jnp.int32)

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfra.models.eagle import EagleHead
+from jaxinfra.sampling import argmax
 from pallas_kernels import PagedKVCache, paged_head_dim
 from serve.config import kv_storage_dtype
 from serve.host_transfer import unpack
@@ -87,7 +88,7 @@ class EagleStep:
             slots = row_slots(inputs.block_tables, pos, active, bs)
             meta = self.target._meta(decode_inputs, jnp.where(active, pos + 1, 0), slots, 1, jnp.where(active, pos, -1))
             out, pool = head(model.embed_tokens(token[None, :]), feature[None], pos[None], meta, pool)
-            token = jnp.argmax(model.logits(out[0]), axis=-1).astype(jnp.int32)
+            token = argmax(model.logits(out[0]))
             return token, out[0], drafts.at[:, j].set(jnp.where(active, token, -1)), pool
 
         init = (row_next, h[last_index], jnp.full((s, self.k), -1, jnp.int32), pool)

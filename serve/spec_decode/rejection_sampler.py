@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxinfra.sampling import argmax
 from serve.sampler import SamplingTensors, apply_penalties, ban_held_tokens, filtered_probs, row_key
 
 
@@ -77,7 +78,7 @@ def rejection_sample(
         assert history_is_output is not None
         logits = apply_penalties(logits, flat_t, *_with_drafts(history, history_is_output, draft_ids))
     masked = ban_held_tokens(logits, flat_t, eos_ids)
-    greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32).reshape(b, k + 1)
+    greedy = argmax(masked).reshape(b, k + 1)
     has_draft = draft_ids >= 0
     safe_ids = jnp.where(has_draft, draft_ids, 0)
 

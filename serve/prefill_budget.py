@@ -11,7 +11,7 @@ MIN_COUNTED = 16  # running sequences counted at least: small batches still admi
 
 @dataclasses.dataclass
 class PrefillBudget:
-    """While sequences stream, a step's prompt tokens are capped at `per_decode` per running sequence, then
+    """While sequences run, a step's prompt tokens are capped at `per_decode` per running sequence, then
     stretched to fill the token bucket the step is padded to anyway (padding costs what tokens cost);
     `per_decode` 0 (or nothing running) leaves the whole step budget to prompts, as vLLM does."""
 
@@ -19,12 +19,9 @@ class PrefillBudget:
     per_decode: int = 0
     token_buckets: list[int] = dataclasses.field(default_factory=list)  # the runner's (set by EngineCore)
 
-    def cap(self, running: int, paced: bool) -> int:
-        """Prompt tokens a step may take with `running` sequences running, `paced` if any of them has a
-        second token out. Until one has, the running are a batch that arrived together, each with at
-        most its first token: the rest of their prompts take the whole budget, as vLLM would, so each
-        sees one long gap after its first token instead of a run of slower steps."""
-        if not self.per_decode or not paced:
+    def cap(self, running: int) -> int:
+        """Prompt tokens a step may take with `running` sequences running."""
+        if not self.per_decode or not running:
             return self.max_num_batched_tokens
         return self.per_decode * max(running, MIN_COUNTED)
 

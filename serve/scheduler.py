@@ -161,8 +161,7 @@ class Scheduler:
         spec = self.spec
         drafts = spec.propose(self.running, self.waiting, self.budget) if spec is not None else {}
         allocate = self.bm.allocate_slots
-        paced = any(len(s.tokens) + s.num_pending - s.prompt_len > 1 for s in running)
-        prefill = self.prefill.cap(len(running), paced)
+        prefill = self.prefill.cap(len(running))
         i = 0
         while i < len(running) and budget > 0:  # the hot loop at large batches: kept to plain reads
             seq = running[i]

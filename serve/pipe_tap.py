@@ -50,9 +50,11 @@ class TapPipe:
     """Messages of int32 values (a tap's) and markers (-1), written from any thread, read by one."""
 
     def __init__(self) -> None:
-        read_fd, write_fd = os.pipe()
-        self._write_fd = fcntl.fcntl(write_fd, fcntl.F_DUPFD_CLOEXEC, FIRST_FD)
-        os.close(write_fd)
+        read_fd, self._write_fd = os.pipe()
+        with contextlib.suppress(OSError):  # where the file limit is below FIRST_FD, any number will do
+            stable = fcntl.fcntl(self._write_fd, fcntl.F_DUPFD_CLOEXEC, FIRST_FD)
+            os.close(self._write_fd)
+            self._write_fd = stable
         with contextlib.suppress(OSError):  # the default 64 KiB where the system caps pipe sizes lower
             fcntl.fcntl(self._write_fd, _SET_PIPE_SIZE, PIPE_BYTES)
         self._reader = os.fdopen(read_fd, "rb")

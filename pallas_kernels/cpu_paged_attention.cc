@@ -59,21 +59,43 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// exp(x) for x <= 0 (a score minus the running maximum) as plain arithmetic, so the loop over a page's
+// keys vectorizes (std::exp is a scalar call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
+// series to r^6 (relative error ~2e-7), 2^n in the exponent bits. Below -87 it returns exp(-87) ~ 1.6e-38.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  const float p =
+      1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// What a worker reuses between units: per-row floats (accumulators, softmax state, one page's scores)
+// and per-row offsets (query, key head, position), computed once a unit instead of per key.
+struct Scratch {
+  std::vector<float> f;
+  std::vector<int64_t> q_off, k_off, pos;
+};
+
 // One unit: rows (KV head, new token, query head of its group) attend over their sequence's pages.
 // A page is read in address order, key by key across all KV heads, so its keys and values stream
-// through once: a decode step is memory-bound, and reading one head's slice of every key (the
-// pool's stride) got half the bandwidth.
-void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
+// through once (reading one head's slice of every key, the pool's stride, got half the bandwidth).
+void RunUnit(const Job& job, const Unit& u, Scratch& scratch) {
   const int64_t g = job.group, d = job.dim, bs = job.block_size;
   const int64_t per_head = u.count * g;  // rows of one KV head
   const int64_t rows = job.kv_heads * per_head;
   const int32_t q_len = job.cu[u.seq + 1] - job.cu[u.seq];
   const int32_t kv_len = job.kv_lens[u.seq];
   const int64_t first_pos = int64_t{kv_len} - q_len + (u.first - job.cu[u.seq]);
-  const int64_t last_pos = std::min<int64_t>(first_pos + u.count - 1, job.max_blocks * bs - 1);
+  const int64_t max_pos = first_pos + u.count - 1;
+  const int64_t last_pos = std::min<int64_t>(max_pos, job.max_blocks * bs - 1);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  scratch.resize(rows * (d + 2 + bs));
-  float* acc = scratch.data();
+  scratch.f.resize(rows * (d + 2 + bs));
+  float* acc = scratch.f.data();
   float* m = acc + rows * d;
   float* l = m + rows;
   float* s = l + rows;  // [rows, bs] scores of one page, then their weights
@@ -82,10 +104,18 @@ void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
   std::fill(l, l + rows, 0.f);
   if (last_pos < 0) return;
   // Row r: KV head r / per_head, new token (r % per_head) / g, query head r % g of the group.
-  auto query = [&](int64_t r) {
+  scratch.q_off.resize(rows);
+  scratch.k_off.resize(rows);
+  scratch.pos.resize(rows);
+  int64_t* q_off = scratch.q_off.data();
+  int64_t* k_off = scratch.k_off.data();
+  int64_t* pos = scratch.pos.data();
+  for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = (r % per_head) / g;
-    return (u.first + t) * job.heads + (r / per_head) * g + r % g;
-  };
+    q_off[r] = ((u.first + t) * job.heads + (r / per_head) * g + r % g) * d;
+    k_off[r] = (r / per_head) * d;
+    pos[r] = first_pos + t;
+  }
   int64_t lo = 0;
   if (job.window > 0) lo = std::max<int64_t>(0, first_pos - job.window + 1);
   const int32_t* table = job.block_tables + int64_t{u.seq} * job.max_blocks;
@@ -93,18 +123,25 @@ void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
   for (int64_t page = lo / bs; page <= last_pos / bs; ++page) {
     const int64_t block = std::clamp<int64_t>(table[page], 0, job.num_blocks - 1);
     const int64_t keys = std::min<int64_t>(bs, last_pos - page * bs + 1);
+    const int64_t start = page * bs;
     const float* kp = job.k + block * bs * job.kv_heads * d;
     const float* vp = job.v + block * bs * job.kv_heads * d;
     for (int64_t j = 0; j < keys; ++j) {
-      const int64_t p = page * bs + j;
+      const float* key = kp + j * stride;
+      for (int64_t r = 0; r < rows; ++r) s[r * bs + j] = Dot(job.q + q_off[r], key + k_off[r], d) * job.scale;
+    }
+    if (job.softcap > 0.f) {
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t pos = first_pos + (r % per_head) / g;
-        float x = kNegInf;
-        if (p <= pos && (job.window <= 0 || pos - p < job.window)) {
-          x = Dot(job.q + query(r) * d, kp + j * stride + (r / per_head) * d, d) * job.scale;
-          if (job.softcap > 0.f) x = job.softcap * std::tanh(x / job.softcap);
+        for (int64_t j = 0; j < keys; ++j) s[r * bs + j] = job.softcap * std::tanh(s[r * bs + j] / job.softcap);
+      }
+    }
+    // every row sees every key of the page unless the page passes a row's position or leaves its window
+    const bool masked = start + keys - 1 > first_pos || (job.window > 0 && max_pos - start >= job.window);
+    if (masked) {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < keys; ++j) {
+          if (start + j > pos[r] || (job.window > 0 && pos[r] - (start + j) >= job.window)) s[r * bs + j] = kNegInf;
         }
-        s[r * bs + j] = x;
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -115,23 +152,26 @@ void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
         std::fill(sr, sr + keys, 0.f);
         continue;
       }
-      const float corr = std::exp(m[r] - m_new);  // 0 while m[r] is -inf
-      float sum = l[r] * corr;
+      const float corr = m[r] == kNegInf ? 0.f : ExpNonPositive(m[r] - m_new);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < keys; ++j) {
-        sr[j] = sr[j] == kNegInf ? 0.f : std::exp(sr[j] - m_new);
-        sum += sr[j];
+        const float w = sr[j] == kNegInf ? 0.f : ExpNonPositive(sr[j] - m_new);
+        sr[j] = w;
+        sum += w;
       }
       float* ar = acc + r * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
       m[r] = m_new;
-      l[r] = sum;
+      l[r] = l[r] * corr + sum;
     }
     for (int64_t j = 0; j < keys; ++j) {
+      const float* value = vp + j * stride;
       for (int64_t r = 0; r < rows; ++r) {
         const float w = s[r * bs + j];
-        if (w == 0.f) continue;
-        const float* vr = vp + j * stride + (r / per_head) * d;
+        if (w == 0.f) continue;  // a key it does not see (its value may be another step's, or unset)
+        const float* vr = value + k_off[r];
         float* ar = acc + r * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) ar[i] += w * vr[i];
@@ -139,7 +179,7 @@ void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* o = job.out + query(r) * d;
+    float* o = job.out + q_off[r];
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
@@ -148,7 +188,7 @@ void RunUnit(const Job& job, const Unit& u, std::vector<float>& scratch) {
 
 // Take units from the shared counter until none are left.
 void Work(Job& job) {
-  std::vector<float> scratch;
+  Scratch scratch;
   const int64_t n = static_cast<int64_t>(job.units.size());
   for (;;) {
     const int64_t start = job.next.fetch_add(kUnitsPerGrab);

@@ -7,6 +7,7 @@ another's build.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -86,3 +87,12 @@ def build(source: Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def load(source: Path, targets: dict[str, str]) -> ctypes.CDLL:
+    """`source`'s library, built if needed and loaded, with each XLA FFI target (name: the handler symbol
+    it exports) registered for CPU."""
+    lib = ctypes.cdll.LoadLibrary(str(build(source)))
+    for name, symbol in targets.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return lib

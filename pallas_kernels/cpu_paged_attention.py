@@ -9,7 +9,6 @@ serves the others.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
@@ -38,8 +37,7 @@ def build() -> Path:
 @functools.cache
 def register() -> None:
     """Build (if needed), load and register the custom call once per process."""
-    lib = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinfraRaggedPagedAttention), platform="cpu")
+    cpu_build.load(SOURCE, {TARGET: "JaxinfraRaggedPagedAttention"})
 
 
 @functools.cache

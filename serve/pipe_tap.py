@@ -37,12 +37,11 @@ _SET_PIPE_SIZE = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 def _library() -> ctypes.CDLL | None:
     """The built tap library, its FFI target registered; None where it cannot be built or loaded."""
     try:
-        lib = ctypes.cdll.LoadLibrary(str(cpu_build.build(SOURCE)))
+        lib = cpu_build.load(SOURCE, {TARGET: "JaxinfraPipeTap"})
     except (cpu_build.KernelUnavailable, OSError):
         return None
     lib.jaxinfra_pipe_write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
     lib.jaxinfra_pipe_write.restype = ctypes.c_int
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinfraPipeTap), platform="cpu")
     return lib
 
 

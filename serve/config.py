@@ -108,6 +108,11 @@ class EngineArgs:
     kv_transfer_config: dict[str, Any] | None = None
     """Prefill/decode disaggregation as vLLM's JSON, e.g. {"kv_connector": "SharedMemoryConnector",
     "kv_role": "kv_producer", "offer_timeout_s": 30} (set by --role prefill|decode; serve/kv_transfer/config.py)."""
+    cpu_reserved_cores: int = 0
+    """Cores kept out of XLA's CPU thread pool in the engine-core process of `python -m serve`, for the
+    HTTP frontend and the threads that stream each token (XLA's pool takes the others, at least one; a
+    PJRT_NPROC or NPROC in the environment wins). vLLM's CPU server reserves one the same way. 0: every
+    core, XLA's default."""
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     """JAX's persistent compilation cache ("" = off)."""
 
@@ -137,8 +142,9 @@ class EngineArgs:
         for name in ("max_num_seqs", "tensor_parallel_size", "expert_parallel_size", "num_scheduler_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive int")
-        if not is_int(self.prefill_tokens_per_decode) or self.prefill_tokens_per_decode < 0:
-            raise bad("prefill_tokens_per_decode", "must be an int >= 0")
+        for name in ("prefill_tokens_per_decode", "cpu_reserved_cores"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise bad(name, "must be an int >= 0")
         if not is_int(self.seed):
             raise bad("seed", "must be an int")
         if (

@@ -1,10 +1,11 @@
 """The engine-core process: loads the model, then busy-loops on steps, fed over ZeroMQ.
 
 Requests, aborts and utility calls arrive on a PULL socket; outputs, scheduler stats and utility
-results leave on a PUSH socket, all msgpack-encoded msgspec structs. It runs until terminated, until
-its parent dies, or until a step raises (the frontend sees the process end and fails what was in flight).
-From its first moment a thread of its own beats a heartbeat pipe, whatever the step loop is doing
-(a step may compile for minutes): a frontend that hears nothing knows the process itself is stuck.
+results leave as frames on a pipe (serve.output_pipe), all msgpack-encoded msgspec structs. It runs
+until terminated, until its parent dies, or until a step raises (the frontend sees the process end
+and fails what was in flight). From its first moment a thread of its own beats a heartbeat pipe,
+whatever the step loop is doing (a step may compile for minutes): a frontend that hears nothing knows
+the process itself is stuck.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from serve.core_types import (
 from serve.engine_core import EngineCore
 from serve.grammar_queue import GrammarQueue
 from serve.loop_stream import LoopTokenStream
+from serve.output_pipe import write_frame
 
 # glibc malloc settings for the core: XLA's CPU buffers are freed and allocated again every step;
 # served from one arena that is never trimmed, they stop costing page faults (2-3x on CPU steps).
@@ -108,9 +110,16 @@ def run_engine_core(launch: CoreLaunch) -> None:
     loops' tokens as they are made."""
     parent = os.getppid()
     ctx = zmq.Context()
-    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp = ctx.socket(zmq.PULL)
     encoder = msgspec.msgpack.Encoder()
-    stream = LoopTokenStream(lambda msg: out.send(encoder.encode(msg)))
+
+    def send(msg: EngineCoreOutputs) -> None:
+        try:
+            write_frame(launch.output_fd, encoder.encode(msg))
+        except BrokenPipeError:  # the frontend is gone: nobody is left to serve
+            os._exit(0)
+
+    stream = LoopTokenStream(send)
     with os.fdopen(launch.ready_fd, "wb") as ready:
         try:
             core = build_core(launch.args, tuple(launch.eos_token_ids), launch.warmup, stream)
@@ -125,7 +134,6 @@ def run_engine_core(launch: CoreLaunch) -> None:
             )
         )
     inp.connect(launch.input_addr)
-    out.connect(launch.output_addr)
     decoder = msgspec.msgpack.Decoder(CoreInput)
     grammars = GrammarQueue(core)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -185,7 +193,6 @@ def run_engine_core(launch: CoreLaunch) -> None:
     finally:
         stream.close()
         inp.close(linger=0)
-        out.close(linger=100)
         ctx.term()
 
 

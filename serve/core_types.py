@@ -82,7 +82,7 @@ class CoreLaunch(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     warmup: bool
     input_addr: str
-    output_addr: str
+    output_fd: int  # the output pipe's write end (serve.output_pipe)
     ready_fd: int  # where it writes EngineCoreReady (or StartupError) once
     heartbeat_fd: int  # where a thread of its own writes a byte every HEARTBEAT_INTERVAL_S while it runs
 

@@ -268,6 +268,8 @@ TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadl
         ("async_scheduling", "yes"),
         ("seed", 1.5),
         ("prefill_tokens_per_decode", -1),
+        ("cpu_reserved_cores", -1),
+        ("cpu_reserved_cores", 0.5),
     ],
 )
 def test_bad_engine_args_name_the_field(field, value):

@@ -6,17 +6,24 @@
 // past cu_q_lens[S] return zeros. Keys and values are read in place from the pools, a page at a
 // time, with an online softmax: nothing is gathered or copied, which is what the XLA formulation
 // spends most of its time on. Work units (sequence, block of query tokens, all KV heads) are shared
-// between the caller and XLA's intra-op thread pool.
+// between the caller and XLA's intra-op thread pool, and, for calls that read many keys, threads of
+// this library's own on the cores XLA's pool leaves out (EngineArgs.cpu_reserved_cores keeps a core
+// for the serving frontend: small batches leave it alone, large ones read their K/V on it too).
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <sched.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -27,6 +34,7 @@ namespace {
 
 constexpr int64_t kQueryBlock = 8;  // new tokens of one sequence per work unit (prefill chunks)
 constexpr int64_t kUnitsPerGrab = 4;  // units a worker takes at once from the shared counter
+constexpr int64_t kSpareMinKeys = 8192;  // keys a call reads before it takes the spare cores too
 
 struct Unit {
   int32_t seq;
@@ -202,6 +210,50 @@ void Work(Job& job) {
   }
 }
 
+// Threads of this library's own, one per core the process may run on beyond XLA's pool; started on
+// first use and kept for the life of the process (never destroyed: exiting does not wait on them).
+class SpareThreads {
+ public:
+  static SpareThreads& Get() {
+    static SpareThreads* threads = new SpareThreads();
+    return *threads;
+  }
+
+  // Cores the process may run on, minus XLA's pool size.
+  static int64_t Spare(int64_t pool_threads) {
+    cpu_set_t set;
+    const int64_t cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                                      : std::thread::hardware_concurrency();
+    return std::max<int64_t>(0, cpus - pool_threads);
+  }
+
+  void Run(int64_t n, const std::function<void()>& task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (; started_ < n; ++started_) std::thread([this] { Loop(); }).detach();
+    for (int64_t i = 0; i < n; ++i) tasks_.push_back(task);
+    ready_.notify_all();
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        ready_.wait(lock, [this] { return !tasks_.empty(); });
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> tasks_;
+  int64_t started_ = 0;
+};
+
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
                                 ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens, float scale,
@@ -251,8 +303,15 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   }
   const int64_t units = static_cast<int64_t>(job->units.size());
   if (units == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), (units + kUnitsPerGrab - 1) / kUnitsPerGrab) - 1;
+  const int64_t grabs = (units + kUnitsPerGrab - 1) / kUnitsPerGrab;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), grabs) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Work(*job); });
+  int64_t keys = 0;
+  for (int64_t s = 0; s < seqs; ++s) keys += job->kv_lens[s];
+  if (keys >= kSpareMinKeys) {
+    const int64_t spare = std::min(SpareThreads::Spare(pool.num_threads()), grabs - 1 - helpers);
+    if (spare > 0) SpareThreads::Get().Run(spare, [job] { Work(*job); });
+  }
   Work(*job);
   std::unique_lock<std::mutex> lock(job->mu);
   job->finished.wait(lock, [&] { return job->done.load() == units; });

@@ -1,7 +1,9 @@
 """The C++ CPU paged-attention kernel (an XLA FFI custom call) against the gather-then-attend reference."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -136,3 +138,44 @@ def test_malformed_lengths_are_an_error_not_a_race():
                 jnp.asarray([3, 1], jnp.int32),
             )
         )
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a spare core needs two cores")
+def test_large_calls_also_run_on_the_cores_xla_leaves_out():
+    """With XLA's pool one thread smaller than the machine (EngineArgs.cpu_reserved_cores), a call that
+    reads many keys starts the library's own thread on the spare core and still matches the reference;
+    a small call does not."""
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)) - 1)
+import jax, jax.numpy as jnp, numpy as np
+from kernels.paged_pools import Pool
+from pallas_kernels import cpu_paged_attention as cpu
+from pallas_kernels.paged_attention_reference import paged_attention_reference
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def check(num_seqs, max_len):
+    rng = np.random.default_rng(num_seqs)
+    lens = [int(n) for n in rng.integers(max_len // 2, max_len, num_seqs)]
+    pool = Pool(lens, 16, 2, "float32", seed=num_seqs, d=64)
+    q = jax.random.normal(jax.random.key(num_seqs), (num_seqs, 4, 64), jnp.float32)
+    cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    ours = cpu.ragged_paged_attention_cpu(
+        q, pool.poisoned["k_pool"], pool.poisoned["v_pool"], pool.block_tables, cu, pool.kv_lens
+    )
+    ref = paged_attention_reference(q, block_tables=pool.block_tables, context_lens=pool.kv_lens, **pool.clean)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+check(5, 90)  # compiles and runs everything a call needs, on fewer keys than the spare cores wait for
+before = threads()
+check(7, 90)
+assert threads() == before, (before, threads())
+check(300, 120)  # ~27k keys
+assert threads() > before, (before, threads())
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <sched.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -212,6 +213,9 @@ void Work(Job& job) {
 
 // Threads of this library's own, one per core the process may run on beyond XLA's pool; started on
 // first use and kept for the life of the process (never destroyed: exiting does not wait on them).
+// The cores are the main thread's (the engine core starts XLA's threads bound to the cores it does
+// not reserve, and the threads XLA runs this kernel on inherit that binding; these may run anywhere
+// the process may).
 class SpareThreads {
  public:
   static SpareThreads& Get() {
@@ -219,11 +223,10 @@ class SpareThreads {
     return *threads;
   }
 
-  // Cores the process may run on, minus XLA's pool size.
+  // The main thread's cores, minus XLA's pool size.
   static int64_t Spare(int64_t pool_threads) {
     cpu_set_t set;
-    const int64_t cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
-                                                                      : std::thread::hardware_concurrency();
+    const int64_t cpus = MainCores(&set) ? CPU_COUNT(&set) : std::thread::hardware_concurrency();
     return std::max<int64_t>(0, cpus - pool_threads);
   }
 
@@ -235,7 +238,11 @@ class SpareThreads {
   }
 
  private:
+  static bool MainCores(cpu_set_t* set) { return sched_getaffinity(getpid(), sizeof(*set), set) == 0; }
+
   void Loop() {
+    cpu_set_t set;
+    if (MainCores(&set)) sched_setaffinity(0, sizeof(set), &set);
     for (;;) {
       std::function<void()> task;
       {

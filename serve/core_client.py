@@ -52,7 +52,8 @@ def xla_pool_env(args: EngineArgs) -> dict[str, str]:
     to 2%."""
     if not args.cpu_reserved_cores or any(os.environ.get(k) for k in POOL_SIZE_ENV):
         return {}
-    return {"PJRT_NPROC": str(max(1, len(os.sched_getaffinity(0)) - args.cpu_reserved_cores))}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"PJRT_NPROC": str(max(1, cores - args.cpu_reserved_cores))}
 
 
 SOCKET_DIR_PREFIX = "jaxinfra-core-"  # + the frontend's pid: a killed frontend's folder is swept later

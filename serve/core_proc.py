@@ -108,8 +108,8 @@ def start_xla_off_reserved_cores(reserved: int) -> None:
     """Start XLA's CPU client with this thread bound to all but the last `reserved` cores, so the
     threads XLA starts now (its pool and the thread that runs each step) stay off them, as vLLM's CPU
     server binds its OpenMP threads; this thread, and the Python threads started later, may then run
-    anywhere again. Unbound, a step's thread took the frontend's core for up to a scheduler slice
-    (0.6-0.8 ms) and a quarter of one stream's tokens reached the frontend a token late."""
+    anywhere again (XLA runs a step on two threads even with a pool of one: unbound, the second one
+    also ran on the reserved core)."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     if not reserved or len(allowed) <= reserved:
         jax.devices()

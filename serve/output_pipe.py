@@ -3,8 +3,8 @@
 The core's one sender thread writes each message with a blocking write (the GIL is released while it
 waits); the frontend's event loop reads the pipe when it is readable. A token goes from the core's
 sender to the frontend's event loop with one wake-up, where ZeroMQ took three (its I/O thread on each
-side, then the event loop): on 2 busy cores, 0.63 ms at the median and 1.8 ms at the 99th percentile.
-A frontend that falls behind fills the pipe (1 MiB where Linux allows) and then blocks the sender.
+side, then the event loop): on 2 cores, one stream's gaps over 1.9 ms between tokens fell from 1.9% to
+1.3%. A frontend that falls behind fills the pipe (1 MiB where Linux allows) and then blocks the sender.
 """
 
 from __future__ import annotations

@@ -30,14 +30,16 @@ def test_pool_size_leaves_the_reserved_cores(monkeypatch, cores, reserved, env, 
     assert xla_pool_env(EngineArgs(cpu_reserved_cores=reserved)) == expected
 
 
-def xla_pool_threads(pid: int) -> int:
-    """Threads of XLA's CPU pool (XLA names them tf_XLAEigen) in a process."""
-    return sum((task / "comm").read_text().strip() == "tf_XLAEigen" for task in Path(f"/proc/{pid}/task").iterdir())
+def xla_pool_threads(pid: int) -> list[int]:
+    """Thread ids of XLA's CPU pool (XLA names them tf_XLAEigen) in a process."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return [int(t.name) for t in tasks if (t / "comm").read_text().strip() == "tf_XLAEigen"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads a process's threads from Linux's /proc")
 def test_served_core_runs_xla_on_the_cores_left(monkeypatch):
-    """The pool size reaches the core process: its XLA pool has one thread per core left, and it serves."""
+    """The pool size reaches the core process: its XLA pool has one thread per core left, bound off the
+    reserved core while the main thread may run anywhere, and it serves."""
     for name in ("PJRT_NPROC", "NPROC"):
         monkeypatch.delenv(name, raising=False)
     cores = len(os.sched_getaffinity(0))
@@ -56,4 +58,9 @@ def test_served_core_runs_xla_on_the_cores_left(monkeypatch):
             item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
         )
         assert environ["PJRT_NPROC"] == str(max(1, cores - 1))
-        assert xla_pool_threads(pid) == max(1, cores - 1)
+        pool = xla_pool_threads(pid)
+        assert len(pool) == max(1, cores - 1)
+        allowed = sorted(os.sched_getaffinity(0))
+        assert os.sched_getaffinity(pid) == set(allowed)  # the main thread's
+        if len(allowed) > 1:
+            assert all(os.sched_getaffinity(tid) == set(allowed[:-1]) for tid in pool)

@@ -72,8 +72,8 @@ class EngineDeadError(RuntimeError):
 
 class CoreProcess:
     """One engine-core process (a fresh interpreter, so no caller's __main__ is re-run), its input
-    socket, its output pipe and its heartbeat pipe. Construction blocks until the core is loaded and warmed up, or
-    raises with the reason it could not start."""
+    socket, its output pipe and its heartbeat pipe. Construction blocks until the core is loaded and
+    warmed up, or raises with the reason it could not start."""
 
     def __init__(
         self,

@@ -3,8 +3,9 @@
 import os
 from pathlib import Path
 
+import httpx
 import pytest
-from server_helpers import running_server
+from server_helpers import MODEL_NAME, running_server
 
 from serve.config import EngineArgs
 from serve.core_client import xla_pool_env
@@ -47,9 +48,6 @@ def test_served_core_runs_xla_on_the_cores_left(monkeypatch):
         url,
         app,
     ):
-        import httpx
-        from server_helpers import MODEL_NAME
-
         body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -50,10 +50,11 @@ def test_ragged_mixed_batch_matches_reference(bs, h, kh, d, window, softcap, sca
     assert float(jnp.abs(ours[sum(q_lens) :]).max()) == 0.0
 
 
-@pytest.mark.parametrize("num_seqs", [1, 3, 37, 300])
-def test_decode_batches_of_every_size_match_reference(num_seqs):
+def assert_decode_matches_reference(lo: int, hi: int, num_seqs: int) -> None:
+    """A decode batch of `num_seqs` sequences of lo..hi keys (random, seeded by num_seqs) through the
+    kernel equals the gather reference."""
     rng = np.random.default_rng(num_seqs)
-    lens = [int(n) for n in rng.integers(0, 90, num_seqs)]
+    lens = [int(n) for n in rng.integers(lo, hi, num_seqs)]
     pool = Pool(lens, 16, 2, "float32", seed=num_seqs, d=64)
     q = jax.random.normal(jax.random.key(num_seqs), (num_seqs, 4, 64), jnp.float32)
     cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
@@ -62,6 +63,11 @@ def test_decode_batches_of_every_size_match_reference(num_seqs):
     )
     ref = paged_attention_reference(q, block_tables=pool.block_tables, context_lens=pool.kv_lens, **pool.clean)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 37, 300])
+def test_decode_batches_of_every_size_match_reference(num_seqs):
+    assert_decode_matches_reference(0, 90, num_seqs)
 
 
 def test_dispatcher_picks_the_cpu_kernel_and_falls_back_for_quantized_pools():
@@ -149,31 +155,16 @@ def test_large_calls_also_run_on_the_cores_xla_leaves_out():
 import os, sys
 sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)) - 1)
-import jax, jax.numpy as jnp, numpy as np
-from kernels.paged_pools import Pool
-from pallas_kernels import cpu_paged_attention as cpu
-from pallas_kernels.paged_attention_reference import paged_attention_reference
+from kernels.test_cpu_paged_attention import assert_decode_matches_reference as check
 
 def threads():
     return len(os.listdir("/proc/self/task"))
 
-def check(num_seqs, max_len):
-    rng = np.random.default_rng(num_seqs)
-    lens = [int(n) for n in rng.integers(max_len // 2, max_len, num_seqs)]
-    pool = Pool(lens, 16, 2, "float32", seed=num_seqs, d=64)
-    q = jax.random.normal(jax.random.key(num_seqs), (num_seqs, 4, 64), jnp.float32)
-    cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
-    ours = cpu.ragged_paged_attention_cpu(
-        q, pool.poisoned["k_pool"], pool.poisoned["v_pool"], pool.block_tables, cu, pool.kv_lens
-    )
-    ref = paged_attention_reference(q, block_tables=pool.block_tables, context_lens=pool.kv_lens, **pool.clean)
-    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=2e-5, rtol=1e-5)
-
-check(5, 90)  # compiles and runs everything a call needs, on fewer keys than the spare cores wait for
+check(45, 90, 5)  # compiles and runs everything a call needs, on fewer keys than the spare cores wait for
 before = threads()
-check(7, 90)
+check(45, 90, 7)
 assert threads() == before, (before, threads())
-check(300, 120)  # ~27k keys
+check(60, 120, 300)  # ~27k keys
 assert threads() > before, (before, threads())
 print("ok")
 """

@@ -1,22 +1,33 @@
-# Setup is idempotent: a project-local venv, re-installed only when pyproject.toml changes.
+# Setup installs the exact versions in requirements/ (hash-locked, made by `make lock`) into project-local
+# venvs, re-installed only when a lock changes. pyproject.toml keeps the ranges users install against.
 PYTHON ?= python3.11
 PYTHON_NEWEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 VENV ?= .venv
 VENV_NEWEST ?= .venv-newest-jax
+VENV_LATEST ?= .venv-latest
 PROMPT ?= And God said
 PORT ?= 8000
 PYTEST_ARGS ?= -n 2 --dist loadfile
+UV_VERSION ?= 0.13.9
+# A folder of local wheels (this machine keeps the CPU build of torch in /opt/wheels); WHEELS= turns it off.
+WHEELS ?= /opt/wheels
+UV_FIND = $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
+LOCK = requirements/py311-dev.txt
+LOCK_NEWEST = requirements/py312-kernels.txt
+EXTRAS = serve train ray dev
 
 LINT_PATHS = jaxinfra pallas_kernels sharding serve benchmarks tests scripts
 
-.PHONY: setup run generate lint test test-kernels-newest ci
+.PHONY: setup run generate lint test test-kernels-newest test-latest lock ci
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# uv itself comes from PyPI at a pinned version into the venv; everything else from the lock, hashes checked.
+$(VENV)/.installed: $(LOCK)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	test -x $(VENV)/bin/uv || $(VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip sync --quiet --python $(VENV)/bin/python --require-hashes $(UV_FIND) $(LOCK)
+	$(VENV)/bin/uv pip install --quiet --python $(VENV)/bin/python --no-deps -e .
 	-$(VENV)/bin/python -m pallas_kernels.cpu_paged_attention  # our CPU attention kernel (without a C++ compiler: XLA's)
 	-$(VENV)/bin/python -m serve.pipe_tap  # the decode loop's C++ token tap (without a C++ compiler: a Python callback)
 	touch $@
@@ -38,16 +49,37 @@ lint: setup
 test: lint
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) --nbmake tests notebooks
 
-# Kernel tests (Pallas interpret mode) on Python 3.12 with the newest jax, as on the GPU machine.
-$(VENV_NEWEST)/.installed: pyproject.toml Makefile
+# Kernel tests (Pallas interpret mode) on Python 3.12 with the newest jax, as on the GPU machine (locked too;
+# `make lock` moves it to the newest jax, `make test-latest` tries the newest without the lock).
+$(VENV_NEWEST)/.installed: $(LOCK_NEWEST) $(VENV)/.installed
 	test -x $(VENV_NEWEST)/bin/python || $(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade jax jaxtyping numpy pytest pytest-xdist
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-deps -e .
+	$(VENV)/bin/uv pip sync --quiet --python $(VENV_NEWEST)/bin/python --require-hashes $(LOCK_NEWEST)
+	$(VENV)/bin/uv pip install --quiet --python $(VENV_NEWEST)/bin/python --no-deps -e .
 	touch $@
 
 test-kernels-newest: $(VENV_NEWEST)/.installed
 	$(VENV_NEWEST)/bin/python -c "import jax; print('newest-jax venv: jax', jax.__version__)"
 	$(VENV_NEWEST)/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/kernels
+
+# Refresh every lock to the newest versions pyproject.toml allows, then run the whole suite on them.
+lock: $(VENV)/.installed
+	for extra in "" $(EXTRAS); do \
+	  $(VENV)/bin/uv pip compile --quiet --upgrade --generate-hashes --python-version 3.11 \
+	    --python-platform x86_64-manylinux_2_28 $(UV_FIND) pyproject.toml $${extra:+--extra $$extra} \
+	    -o requirements/py311$${extra:+-$$extra}.txt || exit 1; \
+	done
+	$(VENV)/bin/uv pip compile --quiet --upgrade --generate-hashes --python-version 3.12 \
+	  --python-platform x86_64-manylinux_2_28 requirements/py312-kernels.in -o $(LOCK_NEWEST)
+	$(MAKE) ci
+
+# The guard for the ranges: the newest versions pyproject.toml allows, no lock, then the fast tests (and the
+# kernel tests on the newest jax), so an upstream release that breaks us shows up here first.
+test-latest: $(VENV)/.installed
+	rm -rf $(VENV_LATEST) && $(PYTHON) -m venv $(VENV_LATEST)
+	$(VENV)/bin/uv pip install --quiet --python $(VENV_LATEST)/bin/python --upgrade $(UV_FIND) -e ".[dev]"
+	$(VENV)/bin/uv pip freeze --python $(VENV_LATEST)/bin/python > $(VENV_LATEST)/versions.txt
+	-$(VENV_LATEST)/bin/python -m pallas_kernels.cpu_paged_attention
+	-$(VENV_LATEST)/bin/python -m serve.pipe_tap
+	$(VENV_LATEST)/bin/python -m pytest -q $(PYTEST_ARGS) -m "not slow" tests
 
 ci: test test-kernels-newest

@@ -2,13 +2,10 @@
 
 import os
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).parent))
 
 _LOCAL = ("127.", "::1", "localhost", "0.0.0.0")
 _connect = socket.socket.connect

@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 
 import httpx
 from fastapi import FastAPI
-from serve_helpers import ENGINE_DEFAULTS
 
 from serve import EngineArgs
 from serve.async_engine import AsyncEngine
 from serve.http.app import build_app
+from tests.serve_helpers import ENGINE_DEFAULTS
 
 MODEL_NAME = "tiny"
 

@@ -8,10 +8,10 @@ import uuid
 import httpx
 import numpy as np
 import pytest
-from hf_oracle import hf_logits, make_hf_model, save_hf_model
-from server_helpers import MODEL_NAME, running_server
 
 import jaxinfra
+from tests.hf_oracle import hf_logits, make_hf_model, save_hf_model
+from tests.server_helpers import MODEL_NAME, running_server
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +209,8 @@ def test_tokenizer_routes_version_models_and_error_objects(hf_server):
 
 def test_priority_policy_orders_admission():
     """With the priority policy, a later but more urgent request is admitted first."""
-    from serve_helpers import engine
-
     from serve import SamplingParams
+    from tests.serve_helpers import engine
 
     eng = engine(scheduling_policy="priority", max_num_seqs=1)
     params = SamplingParams(max_tokens=2, temperature=0)

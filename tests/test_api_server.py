@@ -5,7 +5,8 @@ import asyncio
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL_NAME, call, core_stats, eventually, metric, running_server
+
+from tests.server_helpers import MODEL_NAME, call, core_stats, eventually, metric, running_server
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ length penalties and each early-stopping rule (EOS is made likely so hypotheses 
 import numpy as np
 import pytest
 import torch
-from hf_oracle import make_hf_model, save_hf_model
 
 import jaxinfra
 from serve import LLM, SamplingParams
 from serve.beam_search import BeamSearchParams
+from tests.hf_oracle import make_hf_model, save_hf_model
 
 EOS = 2
 # The byte-level tokenizer saved beside the weights adds its own EOS (257): the engine stops on both.

@@ -278,7 +278,7 @@ def test_bad_engine_args_name_the_field(field, value):
 
 
 def test_engine_args_cross_checks(tmp_path):
-    from serve_helpers import engine
+    from tests.serve_helpers import engine
 
     with pytest.raises(ValueError, match="max_num_batched_tokens .* max_model_len"):
         engine(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64)

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from hf_oracle import hf_logits, make_hf_model, save_hf_model
 from safetensors.numpy import load_file, save_file
 
 import jaxinfra
 from jaxinfra.cli import main as cli_main
+from tests.hf_oracle import hf_logits, make_hf_model, save_hf_model
 
 
 def _ids(seed=0, shape=(2, 21)):

@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 import transformers
-from hf_oracle import make_hf_model, save_hf_model
 
 from jaxinfra.tokenizer import Tokenizer
+from tests.hf_oracle import make_hf_model, save_hf_model
 
 
 def _run(*args):

@@ -1,14 +1,12 @@
 """Context parallelism: the sequence split over a `context` mesh axis trains exactly like one device."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxinfra.models.sharded_attention import zigzag_order
+from tests.check_scripts import run_check
 
 
 @pytest.mark.slow
@@ -18,8 +16,7 @@ def test_context_parallel_loss_and_gradients_equal_one_device():
     quarter of the sequence; a length that does not split over the axis is refused. The same with
     our flash kernel (interpret mode, sequence 512) run per device under shard_map, rows in zigzag
     order and a traced query offset per chunk, and the kernel on a 2 data x 2 tensor mesh."""
-    script = Path(__file__).parent / "sharding" / "context_check.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    out = run_check("tests.sharding.context_check", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert "sequence length 2046 does not split over the 4 devices" in report.pop("indivisible")

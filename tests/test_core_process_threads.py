@@ -5,10 +5,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import MODEL_NAME, running_server
 
 from serve.config import EngineArgs
 from serve.core_client import xla_pool_env
+from tests.server_helpers import MODEL_NAME, running_server
 
 
 @pytest.mark.parametrize(

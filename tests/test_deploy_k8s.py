@@ -9,13 +9,13 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_helpers import exported_series, metric_names
 
 from jaxinfra.loading import load_config
 from jaxinfra.plan_serve import GPUS, Device, plan
 from jaxinfra.workload import Workload
 from serve.autoscale import AutoscaleConfig
 from serve.config import EngineArgs
+from tests.deploy_helpers import exported_series, metric_names
 
 K8S = Path(__file__).resolve().parents[1] / "configs" / "deploy" / "k8s"
 BUILT_IN = {"ConfigMap", "Deployment", "Service"}

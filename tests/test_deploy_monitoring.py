@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deploy_helpers import exported_series, metric_names
+
+from tests.deploy_helpers import exported_series, metric_names
 
 DEPLOY = Path(__file__).resolve().parents[1] / "configs" / "deploy"
 VLLM_PANELS = (  # vLLM's Grafana panel set, as titles here

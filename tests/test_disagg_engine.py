@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from serve_helpers import ENGINE_DEFAULTS, model, prompts
 
 from serve import EngineArgs, SamplingParams
 from serve.core_types import EngineCoreRequest
 from serve.engine_core import EngineCore
 from serve.kv_transfer.shm_transport import ShmHandle, release, segment_exists
+from tests.serve_helpers import ENGINE_DEFAULTS, model, prompts
 
 PROMPTS = prompts([100, 110, 120, 90, 80, 15], seed=3)
 PROMPTS.append(PROMPTS[0][:64] + [7, 8, 9])  # its first blocks are in both cores' prefix caches by then

@@ -24,11 +24,11 @@ from typing import Any, NamedTuple, cast
 import httpx
 import pytest
 from fastapi import FastAPI
-from serve_helpers import ENGINE_DEFAULTS
-from server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server, serve_in_thread
 
 from serve.http.cli_args import flag
 from serve.kv_transfer.proxy import Proxy, build_proxy_app
+from tests.serve_helpers import ENGINE_DEFAULTS
+from tests.server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server, serve_in_thread
 
 pytestmark = pytest.mark.slow  # a prefill process started twice and a decode engine: 50-65 s on 2 shared CPU cores
 

@@ -14,11 +14,11 @@ import types
 import httpx
 import openai
 import pytest
-from server_helpers import serve_in_thread
 
 from serve.kv_transfer.balancer import LeastOutstanding
 from serve.kv_transfer.proxy import Proxy, build_proxy_app
 from tests.kv_transfer.fake_engines import FakeEngine
+from tests.server_helpers import serve_in_thread
 
 
 def _free_port() -> int:

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server, serve_in_thread
 
 from serve.kv_transfer.proxy import Proxy, build_proxy_app
 from serve.kv_transfer.shm_transport import ShmHandle, release
+from tests.server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server, serve_in_thread
 
 LONG = "the quick brown fox jumps over the lazy dog " * 3  # ~130 tokens
 PROMPTS = [

@@ -13,7 +13,8 @@ import time
 
 import httpx
 import pytest
-from server_helpers import eventually
+
+from tests.server_helpers import eventually
 
 MODEL = "tiny-qwen3"
 

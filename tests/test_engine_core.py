@@ -3,13 +3,13 @@ option compiles anything after warm-up, and the prefix cache never shares KV bet
 
 import numpy as np
 import pytest
-from serve_helpers import GREEDY, engine, prompts, reference, run
 
 import serve.kv_cache
 from serve import LLM, SamplingParams
 from serve.kv_cache import BlockManager
 from serve.sampling_params import StructuredOutputsParams
 from serve.sequence import Sequence
+from tests.serve_helpers import GREEDY, engine, prompts, reference, run
 
 LENGTHS = (5, 40, 17, 3, 60, 9)
 

@@ -3,11 +3,11 @@ force a synchronous step, and streaming requests get one token per output."""
 
 import numpy as np
 import pytest
-from serve_helpers import GREEDY, engine, prompts, reference
 
 from serve import SamplingParams
 from serve.sequence import Sequence
 from serve.step_data import SchedulerOutput
+from tests.serve_helpers import GREEDY, engine, prompts, reference
 
 
 def test_runner_runs_synthetic_scheduler_outputs():

@@ -2,20 +2,17 @@
 exchanged by all-to-all and expert weights never gathered."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sharding import MeshConfig, get_rules
+from tests.check_scripts import run_check
 
 
 @pytest.mark.slow
 def test_expert_parallel_training_equals_one_device():
-    script = Path(__file__).parent / "sharding" / "expert_parallel_check.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    out = run_check("tests.sharding.expert_parallel_check", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     np.testing.assert_allclose(report["ep_losses"], report["single_losses"], rtol=1e-5)

@@ -1,14 +1,12 @@
 """Weight gradients cross the devices in float32 under bfloat16 compute (grad_reduce_dtype)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxinfra.train import TrainConfig
+from tests.check_scripts import run_check
 
 
 @pytest.mark.slow
@@ -16,8 +14,7 @@ def test_gradients_are_reduced_in_float32_unless_asked_otherwise():
     """An fsdp step (2 data x 4 fsdp) with bfloat16 compute and 2 microbatches, read right after
     SPMD partitioning: with grad_reduce_dtype=float32 no reduction is bfloat16; with `compute` the
     weight gradients are summed in bfloat16. Loss and gradients agree between the two."""
-    script = Path(__file__).parent / "sharding" / "grad_reduce_check.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    out = run_check("tests.sharding.grad_reduce_check", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     for preset in ("fsdp",):

@@ -9,7 +9,8 @@ import json
 
 import httpx
 import pytest
-from server_helpers import running_server
+
+from tests.server_helpers import running_server
 
 MAX_TOKENS = 24
 

@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_oracle import FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 import jaxinfra
+from tests.hf_oracle import FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 LOGIT_TOL = 1e-4  # float32 max abs; we measure ~6e-6 on these checkpoints.
 

@@ -23,6 +23,7 @@ from serve.kv_transfer.shm_transport import (
     segment_exists,
     write_blocks,
 )
+from tests.check_scripts import run_check
 from tests.kv_transfer.pools import blocks_of, random_pool
 
 ROOT = Path(__file__).parent.parent
@@ -30,9 +31,7 @@ SRC_IDS, DST_IDS = [6, 1, 3], [5, 1, 3]
 
 
 def test_shm_blocks_cross_processes_bitwise():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    script = ROOT / "tests/kv_transfer/shm_writer.py"
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    r = run_check("tests.kv_transfer.shm_writer", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     handles = json.loads(r.stdout.splitlines()[-1])
     for kind, params in handles.items():
@@ -96,9 +95,7 @@ def test_shm_handle_mismatch_is_a_clear_error():
 
 @pytest.mark.slow
 def test_device_transfer_between_meshes_bitwise():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    script = ROOT / "tests/kv_transfer/device_check.py"
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    r = run_check("tests.kv_transfer.device_check", timeout=600)
     assert r.returncode == 0 and "DEVICE_OK" in r.stdout, r.stderr[-3000:]
 
 

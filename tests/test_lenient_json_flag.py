@@ -5,11 +5,11 @@ allows extra keys, while a request's own strict: true still closes it."""
 from types import SimpleNamespace
 
 import pytest
-from test_strict_json import SCHEMA, accepts
 
 from serve.http.cli_args import build_parser, engine_args_from
 from serve.http.generation import Generation
 from serve.openai_protocol import CompletionRequest
+from tests.test_strict_json import SCHEMA, accepts
 
 
 def args_of(*argv: str):

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import pytest
-from serve_helpers import ENGINE_DEFAULTS, GREEDY
 
 from serve import LLM
 from serve.prompt_inputs import PromptInput, parse_prompts
+from tests.serve_helpers import ENGINE_DEFAULTS, GREEDY
 
 IDS = list(range(3, 43))  # 40 tokens: five full blocks of 8
 

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serve_helpers import engine, prompts
 
 from serve import SamplingParams
 from serve.core_types import EngineCoreOutput, EngineCoreOutputs
 from serve.loop_stream import LoopTokenStream
 from serve.pipe_tap import TapPipe
+from tests.serve_helpers import engine, prompts
 
 
 def out(rid: str, tokens: list[int], finish: str | None = None) -> EngineCoreOutput:

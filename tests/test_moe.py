@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_oracle import MOE_FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 import jaxinfra
 from jaxinfra.config import ModelConfig
@@ -15,6 +14,7 @@ from jaxinfra.models import moe
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer
 from serve import EngineArgs, LLMEngine, SamplingParams
 from sharding import MeshConfig, get_rules, make_mesh
+from tests.hf_oracle import MOE_FAMILIES, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 LOGIT_TOL = 1e-4  # float32 max abs, as for the dense families
 

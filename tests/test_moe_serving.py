@@ -3,20 +3,18 @@ them by all-to-all) gives the one-device engine's greedy tokens; bad parallel si
 the field; each expert's load reaches /metrics, /status and the dashboard."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 from flax import nnx
-from headless_chromium import chromium_path, open_page
-from server_helpers import MODEL_NAME, eventually, metric, running_server
 
 import jaxinfra
 from jaxinfra.models import LlamaModel
 from serve import EngineArgs, LLMEngine
 from serve.http.cli_args import build_parser, engine_args_from
+from tests.check_scripts import run_check
+from tests.headless_chromium import chromium_path, open_page
+from tests.server_helpers import MODEL_NAME, eventually, metric, running_server
 
 PROMPTS = [[7, 8, 9, 10, 11], list(range(100, 123)), [300 + i for i in range(9)]]
 MAX_TOKENS = 6
@@ -24,8 +22,7 @@ MAX_TOKENS = 6
 
 @pytest.mark.slow
 def test_expert_parallel_serving_matches_one_device():
-    script = Path(__file__).parent / "sharding" / "ep_serving_check.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    out = run_check("tests.sharding.ep_serving_check", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     one, wide = r["one"], r["wide"]

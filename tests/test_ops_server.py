@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from headless_chromium import chromium_path, open_page
-from server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server
 
 from serve.http.main import main
 from serve.tenants import load_keys_file
+from tests.headless_chromium import chromium_path, open_page
+from tests.server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server
 
 KEYS = {
     "small": "sk-small-0001",

@@ -2,9 +2,6 @@
 and circular training equal to the same model trained without a pipeline."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +15,7 @@ from jaxinfra.train import TrainConfig, Trainer
 from jaxinfra.train.pipeline import PipelineSchedule
 from jaxinfra.train.step import ModelDef, pipeline_schedule
 from sharding import MeshConfig, get_rules, make_mesh
+from tests.check_scripts import run_check
 
 
 @pytest.mark.parametrize(("stages", "micro", "repeats"), [(4, 4, 1), (4, 8, 1), (2, 1, 1), (4, 4, 2), (3, 5, 3)])
@@ -59,8 +57,7 @@ def test_pipeline_trains_like_no_pipeline():
     of GPipe, circular (2 repeats), GPipe with fsdp + full remat and circular with 2-way tensor
     parallelism give the loss curve of 2-way data parallelism without a pipeline (rtol 1e-5); each
     device holds only its stage's layers."""
-    script = Path(__file__).parent / "sharding" / "pipeline_check.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    out = run_check("tests.sharding.pipeline_check", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     reference = report.pop("reference")

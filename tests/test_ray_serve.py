@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from serve_helpers import ENGINE_DEFAULTS
-from server_helpers import MODEL_NAME, running_server
 
 from serve import EngineArgs
 from serve.autoscale import AutoscaleConfig
 from serve.autoscale_args import PoolConfig
 from serve.tool_parsers import ToolConfig
+from tests.serve_helpers import ENGINE_DEFAULTS
+from tests.server_helpers import MODEL_NAME, running_server
 
 PROMPTS = [[5, 6, 7, 8] * 6 + [i] for i in range(4)]
 LONG = 64  # tokens per request under load: long enough to be in flight when a replica is killed

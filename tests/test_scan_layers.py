@@ -80,10 +80,9 @@ def test_compiled_step_does_not_grow_with_depth():
 def test_resuming_with_the_other_layout_names_scan_layers(tmp_path):
     """A checkpoint of stacked layers loads as a model anywhere, but resuming it with per-layer
     training state is refused with the setting to change."""
-    from train_helpers import tiny_run_config
-
     from jaxinfra.train.config import build_run_config
     from jaxinfra.train.loop import train
+    from tests.train_helpers import tiny_run_config
 
     cfg = tiny_run_config(tmp_path, steps=3, export_hf=False)
     train(build_run_config(cfg), progress=False)

@@ -13,11 +13,11 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import ENGINE_DEFAULTS, GREEDY, engine, run
 
 from serve import EngineArgs
 from serve.http.cli_args import build_parser, engine_args_from, flag
 from serve.http.main import main
+from tests.serve_helpers import ENGINE_DEFAULTS, GREEDY, engine, run
 
 # A value other than the default for each of these fields (a field added later still gets its flag:
 # see the first test).

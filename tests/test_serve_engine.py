@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from serve_helpers import GREEDY, engine, prompts, reference, run
 
 from serve import SamplingParams
+from tests.serve_helpers import GREEDY, engine, prompts, reference, run
 
 LENGTHS = (5, 40, 17, 3, 60, 9)
 
@@ -110,10 +110,9 @@ def test_randomized_workload_keeps_invariants():
 
 
 def test_prompt_logprobs_match_transformers(tmp_path):
-    from hf_oracle import make_hf_model, save_hf_model
-
     import jaxinfra
     from serve import EngineArgs, LLMEngine
+    from tests.hf_oracle import make_hf_model, save_hf_model
 
     hf = make_hf_model("llama3_rope_scaling")
     path = save_hf_model(hf, tmp_path)

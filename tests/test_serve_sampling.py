@@ -6,10 +6,10 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from serve_helpers import ENGINE_DEFAULTS, engine, prompts, run
 
 from serve import LLM, EngineArgs, SamplingParams
 from serve.async_engine import AsyncEngine
+from tests.serve_helpers import ENGINE_DEFAULTS, engine, prompts, run
 
 P = prompts([6, 20, 3, 14], seed=21)
 
@@ -58,7 +58,8 @@ def test_filters_that_collapse_to_greedy():
 
 def test_logprobs_are_the_models():
     import jax.numpy as jnp
-    from serve_helpers import model
+
+    from tests.serve_helpers import model
 
     out = _gen(engine(), [(P[1], SamplingParams(temperature=1.0, max_tokens=3, logprobs=4, seed=5, ignore_eos=True))])[
         0

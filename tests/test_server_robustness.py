@@ -8,7 +8,8 @@ import signal
 
 import httpx
 import pytest
-from server_helpers import MODEL_NAME, eventually, running_server, stream_body
+
+from tests.server_helpers import MODEL_NAME, eventually, running_server, stream_body
 
 VOCAB = 512  # tiny-qwen3
 

@@ -4,14 +4,13 @@ exercise its axes (`sharding_meshes.MESHES`)."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from sharding_meshes import MESHES
 
 from sharding import MeshConfig, get_rules
+from tests.check_scripts import ROOT, run_check
+from tests.sharding_meshes import MESHES
 
-SCRIPT = Path(__file__).parent / "sharding" / "sharded_checks.py"
 PRESETS = list(MESHES)
 
 
@@ -21,7 +20,11 @@ def report():
     groups = [PRESETS[:3], PRESETS[3:]]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), ",".join(g)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-m", "tests.sharding.sharded_checks", ",".join(g)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
         )
         for g in groups
     ]
@@ -113,8 +116,7 @@ def test_mesh_config_and_presets():
 
 
 def test_tensor_parallel_serving_matches_one_device():
-    script = Path(__file__).parent / "sharding" / "tp_serving_check.py"
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    r = run_check("tests.sharding.tp_serving_check", timeout=600)
     assert r.returncode == 0 and "TP_OK" in r.stdout, r.stderr[-3000:]
 
 
@@ -123,12 +125,7 @@ def test_tensor_parallel_step_has_megatron_all_reduces():
     (after attention, after the MLP) and the backward body twice (the input gradients of the fused
     Q/K/V and gate/up matmuls), as in Megatron; with full remat the backward body also recomputes the
     attention output's reduction (the MLP's is not needed to get the layer's gradients)."""
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "sharding" / "tp_collectives_check.py"), "none,full"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = run_check("tests.sharding.tp_collectives_check", "none,full", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     counts = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("TPCOLL"))[len("TPCOLL") :])
     assert sorted(counts["none"].values()) == [2, 2], counts

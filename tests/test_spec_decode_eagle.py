@@ -13,8 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from serve_helpers import PRESET, engine, model, prompts, run
-from test_spec_decode_engine import GREEDY, SMALL, _tokens, _workload
 
 from jaxinfra import load_tokenizer
 from jaxinfra.models.eagle import EagleHead, head_config, load_eagle_head, save_eagle_head
@@ -22,6 +20,8 @@ from jaxinfra.train.config import build_run_config
 from jaxinfra.train.loop import train
 from pallas_kernels import DenseMetadata
 from serve import EngineArgs, SamplingParams
+from tests.serve_helpers import PRESET, engine, model, prompts, run
+from tests.test_spec_decode_engine import GREEDY, SMALL, _tokens, _workload
 
 K = 3
 

@@ -5,9 +5,9 @@ preemption, and drafts accepted."""
 from __future__ import annotations
 
 import pytest
-from serve_helpers import engine, prompts, run
 
 from serve import SamplingParams
+from tests.serve_helpers import engine, prompts, run
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Few compiled shapes (one block-table width, three sequence buckets); 24 blocks of 8 force preemption.

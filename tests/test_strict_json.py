@@ -1,11 +1,10 @@
 """JSON schemas are strict by default (objects hold only their listed keys unless the schema says
 otherwise, as vLLM's default backend reads them); `additional_properties=True` gives JSON Schema's reading."""
 
-from serve_helpers import PRESET
-
 import jaxinfra
 from serve.sampling_params import StructuredOutputsParams
 from serve.structured_output import GrammarCompiler, without_additional_properties
+from tests.serve_helpers import PRESET
 
 # The grammar writes compact JSON (structured_output.JSON_DEFAULTS).
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -9,11 +9,11 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from serve_helpers import engine
-from server_helpers import MODEL_NAME, running_server
 
 from serve import SamplingParams
 from serve.sampling_params import StructuredOutputsParams
+from tests.serve_helpers import engine
+from tests.server_helpers import MODEL_NAME, running_server
 
 SCHEMA = {
     "type": "object",

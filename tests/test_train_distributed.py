@@ -9,17 +9,16 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file
-from train_helpers import tiny_run_config, write_config
 
 from jaxinfra.train.logger import read_metrics
+from tests.check_scripts import run_check
+from tests.train_helpers import tiny_run_config, write_config
 
 HERE = Path(__file__).parent
 
 
 def test_checkpoint_restores_onto_other_mesh_and_preset():
-    out = subprocess.run(
-        [sys.executable, str(HERE / "training" / "reshard_check.py")], capture_output=True, text=True, timeout=600
-    )
+    out = run_check("tests.training.reshard_check", timeout=600)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESHARD")), None)
     assert line, out.stderr[-3000:]
     report = json.loads(line[len("RESHARD") :])

@@ -12,13 +12,13 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_helpers import tiny_run_config, write_config
 
 from jaxinfra.checkpoint import TrainCheckpointer
 from jaxinfra.loading import load_model
 from jaxinfra.train.config import build_run_config, load_run_config
 from jaxinfra.train.logger import read_metrics
 from jaxinfra.train.loop import train
+from tests.train_helpers import tiny_run_config, write_config
 
 
 def _run(cfg: dict):

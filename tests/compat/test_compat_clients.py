@@ -13,9 +13,9 @@ import httpx
 import openai
 import pydantic
 import pytest
-from server_helpers import running_server
 
 from jaxinfra.loading import DEFAULT_MODEL
+from tests.server_helpers import running_server
 
 NAME = "kjv-small"
 

@@ -16,11 +16,11 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from serve_helpers import PRESET
-from server_helpers import MODEL_NAME, running_server
 
 import jaxinfra
 from serve.tool_parsers import ToolConfig
+from tests.serve_helpers import PRESET
+from tests.server_helpers import MODEL_NAME, running_server
 
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
 

@@ -3,17 +3,17 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.paged_pools import Pool
 
 from pallas_kernels import PagedKVCache, PagedMetadata, paged_impl, ragged_attention
 from pallas_kernels import cpu_paged_attention as cpu
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
+from tests.check_scripts import ROOT
+from tests.kernels.paged_pools import Pool
 
 
 def _mixed_batch(q_lens, kv_lens, bs, h, kh, d, seed, pad_tokens=5):
@@ -126,7 +126,7 @@ from pallas_kernels import paged_impl
 assert paged_impl(None) == "xla", paged_impl(None)
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -151,11 +151,10 @@ def test_large_calls_also_run_on_the_cores_xla_leaves_out():
     """With XLA's pool one thread smaller than the machine (EngineArgs.cpu_reserved_cores), a call that
     reads many keys starts the library's own thread on the spare core and still matches the reference;
     a small call does not."""
-    script = f"""
+    script = """
 import os, sys
-sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 os.environ["PJRT_NPROC"] = str(len(os.sched_getaffinity(0)) - 1)
-from kernels.test_cpu_paged_attention import assert_decode_matches_reference as check
+from tests.kernels.test_cpu_paged_attention import assert_decode_matches_reference as check
 
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -168,5 +167,5 @@ check(60, 120, 300)  # ~27k keys
 assert threads() > before, (before, threads())
 print("ok")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

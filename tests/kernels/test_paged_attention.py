@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.paged_pools import QUANTIZED, D, Pool, query_dtype, tolerance
 
 from pallas_kernels import PagedKVCache
 from pallas_kernels.paged_attention import paged_attention
@@ -13,6 +12,7 @@ from pallas_kernels.paged_tiles import kernel_work_list, tile_plan
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla, tile_tokens
 from pallas_kernels.split_merge import merge_splits, merge_splits_reference
+from tests.kernels.paged_pools import QUANTIZED, D, Pool, query_dtype, tolerance
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
-from serve_helpers import ENGINE_DEFAULTS
-from server_helpers import MODEL_NAME, serve_in_thread, stream_body
 
 from serve import EngineArgs
 from serve.async_engine import AsyncEngine
 from serve.http.app import build_app
+from tests.serve_helpers import ENGINE_DEFAULTS
+from tests.server_helpers import MODEL_NAME, serve_in_thread, stream_body
 
 ENGINE = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=512)
 

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reliability_helpers import Tally, background_streams, normal_worst_gap, reliability_server
-from server_helpers import MODEL_NAME, call, eventually, metric
 
 from serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tests.reliability.reliability_helpers import Tally, background_streams, normal_worst_gap, reliability_server
+from tests.server_helpers import MODEL_NAME, call, eventually, metric
 
 pytestmark = pytest.mark.slow
 TALLY = Tally("frontend")

@@ -4,11 +4,10 @@ one past the compile budget; aborting a waiting request drops it."""
 
 import time
 
-from serve_helpers import engine
-
 from serve.core_types import EngineCoreRequest
 from serve.grammar_queue import GrammarQueue
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.serve_helpers import engine
 
 
 def request(rid: str, regex: str, n: int = 1) -> EngineCoreRequest:

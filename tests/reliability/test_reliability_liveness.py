@@ -8,8 +8,9 @@ import time
 
 import httpx
 import pytest
-from reliability_helpers import Tally, background_streams, reliability_server
-from server_helpers import MODEL_NAME, eventually
+
+from tests.reliability.reliability_helpers import Tally, background_streams, reliability_server
+from tests.server_helpers import MODEL_NAME, eventually
 
 pytestmark = pytest.mark.slow
 HEARTBEAT_TIMEOUT_S = 2.0

@@ -21,12 +21,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_check import CFG, batch  # noqa: E402
-
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
+from tests.sharding.pipeline_check import CFG, batch  # noqa: E402
 
 
 def reductions(preset: str, mesh: MeshConfig, grad_reduce_dtype: str) -> dict:

@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import jax
 
@@ -16,9 +15,7 @@ from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer, per_device_bytes  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from sharding_meshes import MESHES  # noqa: E402
+from tests.sharding_meshes import MESHES  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=256,

@@ -2,7 +2,6 @@
 on one device); print whether params and the next loss agree. Runs on 8 virtual CPU devices."""
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,9 +19,7 @@ from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.tokenizer import Tokenizer  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
-
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # after `sharding` (tests/sharding would shadow it)
-from train_helpers import write_corpus  # noqa: E402
+from tests.train_helpers import write_corpus  # noqa: E402
 
 tmp = Path(tempfile.mkdtemp())
 docs = load_documents([write_corpus(tmp / "corpus.txt")])

@@ -1,0 +1,1 @@
+"""Test package: helpers import as `tests.…`, so no installed distribution can shadow them."""

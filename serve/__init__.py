@@ -1,9 +1,32 @@
-"""Serving: KV block manager, scheduler, jitted runner, sampler, offline API and async engine."""
+"""Serving: KV block manager, scheduler, jitted runner, sampler, offline API and async engine.
 
-from serve.config import EngineArgs
-from serve.engine import LLMEngine
-from serve.llm import LLM
-from serve.outputs import CompletionOutput, RequestOutput
-from serve.sampling_params import SamplingParams
+The names below load on first use, so a process that needs one light module of serve (the grammar
+checker's child) does not import jax with the package."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serve.config import EngineArgs
+    from serve.engine import LLMEngine
+    from serve.llm import LLM
+    from serve.outputs import CompletionOutput, RequestOutput
+    from serve.sampling_params import SamplingParams
+
+_HOMES = {
+    "EngineArgs": "serve.config",
+    "LLMEngine": "serve.engine",
+    "LLM": "serve.llm",
+    "CompletionOutput": "serve.outputs",
+    "RequestOutput": "serve.outputs",
+    "SamplingParams": "serve.sampling_params",
+}
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -26,6 +26,7 @@ from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S, CoreProcess, EngineDeadError
 from serve.core_types import AbortRequests, EngineCoreOutputs, SchedulerStats
+from serve.grammar_check import GrammarChecker
 from serve.input_processor import InputProcessor, Prompt
 from serve.output_processor import OutputProcessor, RequestIteration
 from serve.outputs import RequestOutput
@@ -85,6 +86,7 @@ class AsyncEngine:
             self.tokenizer, self.vocab_size, self.max_model_len, args.seed, args.scheduling_policy
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._grammar_checker: GrammarChecker | None = None
         self.streams: dict[str, asyncio.Queue] = {}
         self.stats: SchedulerStats | None = None
         self.error: str | None = None  # why no request is accepted now (the core died, or is restarting)
@@ -94,6 +96,15 @@ class AsyncEngine:
         self._supervisor: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._ids = itertools.count()
+
+    @property
+    def grammar_checker(self) -> GrammarChecker:
+        """Where structured-output constraints are checked (a ValueError if this engine has no tokenizer)."""
+        if self._grammar_checker is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, and this engine has none")
+            self._grammar_checker = GrammarChecker(self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammar_checker
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -145,6 +156,8 @@ class AsyncEngine:
             raise EngineDeadError(self.error or "the engine core process is not running")
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            await self.grammar_checker.check(params.structured_outputs)  # in a child process: see grammar_check
         req = self.input_processor.process(
             request_id,
             prompt,
@@ -153,6 +166,7 @@ class AsyncEngine:
             prompt_token_ids=prompt_token_ids,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
+            grammar_checked=params.structured_outputs is not None,
         )
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
@@ -309,6 +323,8 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._shut_down = True
+        if self._grammar_checker is not None:
+            self._grammar_checker.close()
         if self._supervisor is not None:
             self._supervisor.cancel()
         self.core.close()

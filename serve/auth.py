@@ -36,8 +36,8 @@ class KeyRing:
 
     @staticmethod
     def single(api_key: str) -> dict[bytes, Tenant]:
-        """The one `--api-key`: a tenant with no limits that shares the default prefix cache."""
-        return {key_digest(api_key): Tenant(name="default", prefix_cache_group="")}
+        """The one `--api-key`: an operator tenant with no limits that shares the default prefix cache."""
+        return {key_digest(api_key): Tenant(name="default", prefix_cache_group="", operator=True)}
 
     def __len__(self) -> int:
         return len(self._entries)

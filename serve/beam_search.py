@@ -15,6 +15,7 @@ limit when `length_penalty` > 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
@@ -158,12 +159,14 @@ def step_params(search: BeamSearch) -> SamplingParams:
 
 
 async def beam_search_async(
-    engine: AsyncEngine, request_id: str, prompt: list[int], params: BeamSearchParams
+    engine: AsyncEngine, request_id: str, prompt: list[int], params: BeamSearchParams, cache_salt: str | None = None
 ) -> BeamSearchOutput:
-    """One prompt's beam search over the server's engine: each step's beams run as concurrent requests."""
+    """One prompt's beam search over the server's engine: each step's beams run as concurrent requests
+    (salted with `cache_salt`); cancelling it aborts them at once."""
 
     async def last(rid: str, tokens: list[int], p: SamplingParams) -> RequestOutput:
-        outs = [out async for out in await engine.add_request(rid, tokens, p)]
+        async with contextlib.aclosing(await engine.add_request(rid, tokens, p, cache_salt=cache_salt)) as stream:
+            outs = [out async for out in stream]
         return outs[-1]
 
     search = BeamSearch(prompt, params, engine.core.info.eos_token_ids)

@@ -121,6 +121,26 @@ def start_xla_off_reserved_cores(reserved: int) -> None:
         os.sched_setaffinity(0, allowed)
 
 
+def decode_input(
+    decoder: msgspec.msgpack.Decoder, frame: bytes, reply: EngineCoreOutputs
+) -> EngineCoreRequest | AbortRequests | UtilityCall | None:
+    """The message in `frame`, or None: a request that does not decode as its type is refused (its id
+    and the reason go into `reply.rejected`), anything else undecodable is logged and dropped. No
+    client's input can end the core."""
+    try:
+        return decoder.decode(frame)
+    except msgspec.MsgspecError as e:
+        try:
+            raw = msgspec.msgpack.decode(frame)
+        except msgspec.MsgspecError:
+            raw = None
+        if isinstance(raw, list) and len(raw) > 1 and raw[0] == EngineCoreRequest.__name__ and isinstance(raw[1], str):
+            reply.rejected.append((raw[1], f"invalid request: {e}"))
+        else:
+            print(f"engine core: dropped a message it cannot decode: {e}", file=sys.stderr)
+        return None
+
+
 def run_engine_core(launch: CoreLaunch) -> None:
     """Build the core, report readiness on launch.ready_fd, then serve the sockets until terminated.
     Every message leaves through one sender thread (serve.loop_stream), which also streams the decode
@@ -165,7 +185,9 @@ def run_engine_core(launch: CoreLaunch) -> None:
                     grammars.add(msg)  # joins the core once its grammar has compiled
                 else:
                     core.add_request(msg)
-            except ValueError as e:
+            except Exception as e:  # a ValueError for bad input; anything else fails this request alone
+                if not isinstance(e, ValueError):
+                    traceback.print_exc(file=sys.stderr)
                 reply.rejected.append((msg.request_id, str(e)))
         elif isinstance(msg, AbortRequests):
             grammars.abort(msg.request_ids)
@@ -195,7 +217,9 @@ def run_engine_core(launch: CoreLaunch) -> None:
             reply = EngineCoreOutputs(rejected=grammars.admit())
             arrived = False
             while inp.poll(0):
-                take(decoder.decode(inp.recv()), reply)
+                msg = decode_input(decoder, inp.recv(), reply)
+                if msg is not None:
+                    take(msg, reply)
                 arrived = True
             if core.has_work():
                 reply.outputs = core.step()

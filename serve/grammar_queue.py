@@ -60,8 +60,8 @@ class GrammarQueue:
                     raise ValueError(f"structured_outputs: the grammar did not compile within {self.budget_s:g} s")
                 matchers = future.result()
                 self.core.add_request(req, matchers)
-            except ValueError as e:
-                refused.append((rid, str(e)))
+            except Exception as e:  # a ValueError for a bad grammar; anything else fails this request alone
+                refused.append((rid, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
                 continue
             self.running[rid] = matchers
         return refused

@@ -67,7 +67,10 @@ class InputProcessor:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
+        grammar_checked: bool = False,
     ) -> EngineCoreRequest:
+        """The core's request; `grammar_checked`: the structured-output constraint was validated already
+        (the server checks it in a child process: serve.grammar_check)."""
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -81,7 +84,7 @@ class InputProcessor:
             raise ValueError(f"SamplingParams.stop_token_ids must be ints in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.logit_bias or {}):
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {self.vocab_size})")
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and not grammar_checked:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, and this engine has none")
             if self.grammar is None:

@@ -12,6 +12,15 @@ MAX_LOGPROBS = 20  # top alternatives per position (vLLM's default max_logprobs)
 MAX_BANNED_STOP_IDS = 32  # stop_token_ids held back on device while min_tokens is not reached
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 OutputKind = Literal["cumulative", "delta", "final_only"]
+# StructuredOutputsParams' fields: the types each accepts (checked before anything reads them) and how to say it
+STRUCTURED_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "json": ((dict, str, type(None)), "a JSON schema (an object or a string)"),
+    "json_object": ((bool,), "a bool"),
+    "regex": ((str, type(None)), "a string"),
+    "choice": ((list, type(None)), "a list of strings"),
+    "grammar": ((str, type(None)), "a string"),
+    "additional_properties": ((bool, type(None)), "a bool or null"),
+}
 
 
 @dataclasses.dataclass
@@ -32,6 +41,11 @@ class StructuredOutputsParams:
     additional_properties: bool | None = None
 
     def __post_init__(self) -> None:
+        for field, (accepted, what) in STRUCTURED_FIELD_TYPES.items():
+            value = getattr(self, field)
+            if not isinstance(value, accepted):
+                got = type(value).__name__
+                raise ValueError(f"SamplingParams.structured_outputs.{field} must be {what}, got {got}")
         given = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:

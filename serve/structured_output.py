@@ -19,11 +19,12 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from jaxinfra.tokenizer import Tokenizer
 from serve.sampling_params import StructuredOutputsParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the grammar checker's child imports this module: it stays clear of jax
     from llguidance._lib import JsonCompileOptions
+
+    from jaxinfra.tokenizer import Tokenizer
 
 # Compact JSON (", " and ": " separators, as json.dumps writes) unless a schema asks otherwise.
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
@@ -74,6 +75,31 @@ def grammar_of(so: StructuredOutputsParams) -> str:
 Matcher = llguidance.LLMatcher
 
 
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's work budgets: the initial fuel bounds building a grammar's lexer (a fifth of
+    llguidance's default: real schemas and regexes build in a few ms, and "(a{1000}){1000}" is refused
+    after ~0.1 s of a core instead of ~1 s); step fuel and Earley items (its defaults) bound each token
+    mask (~15 ms), past which the matcher fails instead of running on."""
+    return llguidance.LLParserLimits(
+        initial_lexer_fuel=200_000, step_lexer_fuel=200_000, step_max_items=50_000, verbose_errors=False
+    )
+
+
+def validate(so: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer, limits: llguidance.LLParserLimits) -> str:
+    """The grammar of a constraint; ValueError naming the field if it is not a valid one (a schema
+    nested past Python's recursion limit included)."""
+    try:
+        grammar = grammar_of(so)
+    except RecursionError as e:
+        raise ValueError("structured_outputs: the JSON schema is nested too deeply") from e
+    except (ValueError, TypeError) as e:  # an unparsable JSON schema string, a bad schema
+        raise ValueError(f"structured_outputs: {e}") from e
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+    if error:
+        raise ValueError(f"structured_outputs: {error}")
+    return grammar
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -86,6 +112,11 @@ def failure(matcher: Matcher) -> str:
 COMPILE_WORKERS = 2
 
 
+def ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a tokenizer (its tokenizer.json) for a model of `vocab_size` ids."""
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+
+
 class GrammarCompiler:
     """Grammars and matchers over one tokenizer, for a model whose vocabulary has `vocab_size` ids
     (ids the tokenizer does not know are never allowed). `compile` builds matchers on worker threads
@@ -94,27 +125,14 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.vocab_size = vocab_size
         eos = list(eos_token_ids or tokenizer.eos_token_ids)
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+        self.tokenizer = ll_tokenizer(tokenizer.tok.to_str(), vocab_size, eos)
         self.executor = llguidance.LLExecutor()
-        # llguidance's work budgets: the initial fuel bounds building a grammar's lexer (a fifth of
-        # llguidance's default: real schemas and regexes build in a few ms, and "(a{1000}){1000}" is
-        # refused after ~0.1 s of a core instead of ~1 s); step fuel and Earley items (its defaults)
-        # bound each token mask (~15 ms), past which the matcher fails instead of running on.
-        self.limits = llguidance.LLParserLimits(
-            initial_lexer_fuel=200_000, step_lexer_fuel=200_000, step_max_items=50_000, verbose_errors=False
-        )
+        self.limits = parser_limits()
         self.workers = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="grammar")
 
     def validate(self, so: StructuredOutputsParams) -> str:
         """The grammar of a constraint; ValueError naming the field if it is not a valid one."""
-        try:
-            grammar = grammar_of(so)
-        except (ValueError, TypeError) as e:  # an unparsable JSON schema string, a bad schema
-            raise ValueError(f"structured_outputs: {e}") from e
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
-        if error:
-            raise ValueError(f"structured_outputs: {error}")
-        return grammar
+        return validate(so, self.tokenizer, self.limits)
 
     def matcher(self, so: StructuredOutputsParams) -> Matcher:
         """A fresh matcher at the start of the output."""

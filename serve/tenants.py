@@ -7,17 +7,22 @@ The keys file (YAML):
       search: {requests_per_minute: 600, tokens_per_minute: 200000, max_concurrent: 32, priority: 0}
       docs:   {tokens_per_minute: 50000, prefix_cache_group: shared}   # tenants naming one group share
       wiki:   {prefix_cache_group: shared}                             # cached prefixes; others never do
+      ops:    {operator: true}                                         # /status shows it every tenant
     keys:
       sk-search-1: search
       sha256:<hex digest of the key>: docs      # a key may be given by its SHA-256 instead
 
-Every limit is optional (absent = unlimited). Tokens are prompt + generated tokens.
+Every limit is optional (absent = unlimited). Concurrency counts sequences (prompts x n, or x beams),
+as the engine does. Tokens are prompt + generated tokens: a call reserves its prompt and `max_tokens`
+for each sequence when it is admitted (as OpenAI's limits count max_tokens), and what it did not
+generate is handed back when it ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import time
 from collections import deque
@@ -38,6 +43,7 @@ class Tenant:
     max_concurrent: int | None = None
     priority: int = 0  # added to each request's priority (lower runs first) with --scheduling-policy priority
     prefix_cache_group: str | None = None  # default: the tenant's own name ("" = the server's shared cache)
+    operator: bool = False  # sees every tenant's rows in /status (the --api-key is one); others see their own
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
@@ -46,16 +52,20 @@ class Tenant:
                 raise ValueError(f"tenant {self.name!r}: {name} must be a positive int, got {value!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"tenant {self.name!r}: priority must be an int, got {self.priority!r}")
+        if not isinstance(self.operator, bool):
+            raise ValueError(f"tenant {self.name!r}: operator must be true or false, got {self.operator!r}")
         if self.prefix_cache_group is not None and not isinstance(self.prefix_cache_group, str):
             raise ValueError(f"tenant {self.name!r}: prefix_cache_group must be a string")
 
     def cache_salt(self, request_salt: str | None) -> str | None:
-        """The salt the engine hashes into the request's prefix-cache keys: the tenant's group
-        first, so no request of another group can produce the same block hashes."""
+        """The salt the engine hashes into the request's prefix-cache keys: the tenant's group and the
+        request's own salt, encoded as a JSON pair so that no request salt of one group can spell
+        another group's (a raw prefix such as "tenant:beta\\0" once joined tenant beta's cache). The
+        shared group ("") without a salt of its own uses the server's default cache."""
         group = self.name if self.prefix_cache_group is None else self.prefix_cache_group
-        if not group:
-            return request_salt
-        return f"tenant:{group}\x00{request_salt or ''}"
+        if not group and request_salt is None:
+            return None
+        return json.dumps([group, request_salt])
 
 
 def load_keys_file(path: str | Path) -> dict[bytes, Tenant]:
@@ -114,9 +124,9 @@ def _digest(key: str, where: str, n: int) -> bytes:
 @dataclasses.dataclass
 class _Usage:
     requests: deque[float] = dataclasses.field(default_factory=deque)  # admission times
-    tokens: deque[tuple[float, int]] = dataclasses.field(default_factory=deque)  # (time, tokens)
+    tokens: deque[list[float]] = dataclasses.field(default_factory=deque)  # [admission time, tokens]
     token_sum: int = 0
-    in_flight: int = 0
+    in_flight: int = 0  # sequences
     admitted: int = 0
     refused: int = 0
 
@@ -124,7 +134,17 @@ class _Usage:
         while self.requests and self.requests[0] <= now - WINDOW_S:
             self.requests.popleft()
         while self.tokens and self.tokens[0][0] <= now - WINDOW_S:
-            self.token_sum -= self.tokens.popleft()[1]
+            self.token_sum -= int(self.tokens.popleft()[1])
+
+
+@dataclasses.dataclass
+class Admission:
+    """One admitted call: its sequences in flight, and its entry in the token window (the prompt and
+    the reserved completions until it ends, then what it used)."""
+
+    sequences: int
+    prompt_tokens: int
+    entry: list[float]
 
 
 class QuotaExceeded(Exception):
@@ -134,73 +154,93 @@ class QuotaExceeded(Exception):
 
 
 class TenantQuotas:
-    """Sliding one-minute windows of requests and tokens and a count in flight, per tenant."""
+    """Sliding one-minute windows of requests and tokens and the sequences in flight, per tenant."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.usage: dict[str, _Usage] = {}
 
-    def admit(self, tenant: Tenant, prompt_tokens: int) -> None:
-        """Count a request in (charging its prompt tokens), or raise QuotaExceeded with the seconds
-        after which the same request would fit."""
+    def admit(self, tenant: Tenant, prompt_tokens: int, sequences: int = 1, max_new_tokens: int = 0) -> Admission:
+        """Count a call of `sequences` sequences in, reserving its prompt tokens and `max_new_tokens`
+        for each sequence; QuotaExceeded with the seconds after which the same call would fit, or a
+        ValueError for a call that never can."""
+        need = prompt_tokens + sequences * max_new_tokens
+        if tenant.max_concurrent is not None and sequences > tenant.max_concurrent:
+            raise ValueError(
+                f"this request needs {sequences} sequences; tenant {tenant.name!r} may run {tenant.max_concurrent} "
+                "at once, so it can never run"
+            )
+        tpm = tenant.tokens_per_minute
+        if tpm is not None and need > tpm:
+            raise ValueError(
+                f"this request reserves {need} tokens ({prompt_tokens} in its prompts, max_tokens {max_new_tokens} "
+                f"for each of {sequences} sequences); tenant {tenant.name!r} has {tpm} a minute: lower max_tokens"
+            )
         now = self.clock()
         u = self.usage.setdefault(tenant.name, _Usage())
         u.expire(now)
         try:
-            if tenant.max_concurrent is not None and u.in_flight >= tenant.max_concurrent:
-                raise QuotaExceeded(f"tenant {tenant.name!r} has {u.in_flight} requests in flight (its limit)", 1)
+            if tenant.max_concurrent is not None and u.in_flight + sequences > tenant.max_concurrent:
+                raise QuotaExceeded(
+                    f"tenant {tenant.name!r} has {u.in_flight} sequences in flight and this request needs "
+                    f"{sequences} more (its limit is {tenant.max_concurrent})",
+                    1,
+                )
             rpm = tenant.requests_per_minute
             if rpm is not None and len(u.requests) >= rpm:
                 raise QuotaExceeded(
                     f"tenant {tenant.name!r} is over its {rpm} requests per minute", u.requests[0] + WINDOW_S - now
                 )
-            tpm = tenant.tokens_per_minute
-            if tpm is not None and u.token_sum + prompt_tokens > tpm:
+            if tpm is not None and u.token_sum + need > tpm:
                 raise QuotaExceeded(
-                    f"tenant {tenant.name!r} is over its {tpm} tokens per minute",
-                    self._tokens_free_at(u, tpm - prompt_tokens) - now,
+                    f"tenant {tenant.name!r} is over its {tpm} tokens per minute (this request reserves {need})",
+                    self._tokens_free_at(u, tpm - need) - now,
                 )
         except QuotaExceeded:
             u.refused += 1
             raise
         u.requests.append(now)
-        u.in_flight += 1
+        u.in_flight += sequences
         u.admitted += 1
-        self.charge(tenant, prompt_tokens)
+        entry = [now, need]
+        u.tokens.append(entry)
+        u.token_sum += need
+        return Admission(sequences, prompt_tokens, entry)
 
     def _tokens_free_at(self, u: _Usage, allowed: int) -> float:
         """When the window's tokens drop to `allowed` (a minute from now if they never will)."""
         total = u.token_sum
         for t, n in u.tokens:
-            total -= n
+            total -= int(n)
             if total <= allowed:
                 return t + WINDOW_S
         return self.clock() + WINDOW_S
 
-    def charge(self, tenant: Tenant, tokens: int) -> None:
-        if tokens:
-            u = self.usage.setdefault(tenant.name, _Usage())
-            u.tokens.append((self.clock(), tokens))
-            u.token_sum += tokens
-
-    def release(self, tenant: Tenant, generated_tokens: int) -> None:
-        """A request finished (or failed): it leaves the in-flight count and its output is charged."""
-        self.usage[tenant.name].in_flight -= 1
-        self.charge(tenant, generated_tokens)
+    def release(self, tenant: Tenant, admission: Admission, generated_tokens: int) -> None:
+        """A call ended (finished, failed or abandoned): its sequences leave the in-flight count and its
+        reservation, if still in the window, becomes what it used."""
+        u = self.usage[tenant.name]
+        u.in_flight -= admission.sequences
+        entry = admission.entry
+        if entry[0] > self.clock() - WINDOW_S:
+            used = admission.prompt_tokens + generated_tokens
+            u.token_sum += used - int(entry[1])
+            entry[1] = used
 
     def snapshot(self, tenants: Iterable[Tenant] = ()) -> dict[str, dict[str, Any]]:
         """Per-tenant numbers for /status (every tenant in `tenants`, and any that sent requests):
         in flight, requests and tokens in the last minute, totals, and the tenant's limits."""
         now = self.clock()
         limits = {
-            t.name: {k: v for k, v in dataclasses.asdict(t).items() if k != "name" and v is not None} for t in tenants
+            t.name: {k: v for k, v in dataclasses.asdict(t).items() if k not in ("name", "operator") and v is not None}
+            for t in tenants
         }
         out = {}
         for name in sorted({*self.usage, *limits}):
             u = self.usage.get(name, _Usage())
             u.expire(now)
             out[name] = {
-                "in_flight": u.in_flight,
+                "in_flight": u.in_flight,  # sequences
                 "requests_last_minute": len(u.requests),
                 "tokens_last_minute": u.token_sum,
                 "admitted": u.admitted,

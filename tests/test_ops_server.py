@@ -30,7 +30,7 @@ KEYS = {
 KEYS_FILE = """
 tenants:
   small: {tokens_per_minute: 60}
-  big: {}
+  big: {operator: true}  # sees every tenant in /status
   other: {}
   wiki: {prefix_cache_group: kb}
   docs: {prefix_cache_group: kb}

@@ -99,15 +99,51 @@ def test_quota_windows_and_retry_after():
     with pytest.raises(QuotaExceeded) as e:
         quotas.admit(rpm, 1)
     assert e.value.retry_after == 50  # the first request leaves the window at 1060
-    quotas.admit(tpm, 30)
+    admitted = quotas.admit(tpm, 30)
     with pytest.raises(QuotaExceeded, match="in flight"):
         quotas.admit(tpm, 1)
-    quotas.release(tpm, 60)  # 90 tokens in the window now
+    quotas.release(tpm, admitted, 60)  # 90 tokens in the window now
     now[0] += 5
     with pytest.raises(QuotaExceeded, match="100 tokens per minute") as e:
         quotas.admit(tpm, 20)
-    assert e.value.retry_after == 55  # the prompt's 30 tokens leave at 1070, the 60 generated at 1070 too
+    assert e.value.retry_after == 55  # the call's 90 tokens leave the window a minute after its admission
     now[0] += 56
     quotas.admit(tpm, 20)
     snap = quotas.snapshot()
     assert snap["b"]["refused"] == 2 and snap["b"]["admitted"] == 2 and snap["b"]["tokens_last_minute"] == 20
+
+
+def test_quotas_count_sequences_and_reserve_max_tokens():
+    """max_concurrent counts sequences (one call of n=3 holds 3); tokens_per_minute reserves the prompt
+    and max_tokens for each sequence at admission and hands back what was not generated; a call that
+    could never fit is a ValueError (a 400), not a 429 to retry forever."""
+    now = [0.0]
+    quotas = TenantQuotas(clock=lambda: now[0])
+    seqs = Tenant("s", max_concurrent=4)
+    first = quotas.admit(seqs, 5, sequences=3)
+    with pytest.raises(QuotaExceeded, match="3 sequences in flight and this request needs 2 more"):
+        quotas.admit(seqs, 5, sequences=2)
+    with pytest.raises(ValueError, match="needs 5 sequences"):
+        quotas.admit(seqs, 5, sequences=5)
+    quotas.release(seqs, first, 0)
+    quotas.admit(seqs, 5, sequences=4)
+    toks = Tenant("t", tokens_per_minute=100)
+    a = quotas.admit(toks, 10, sequences=2, max_new_tokens=20)  # reserves 50
+    quotas.admit(toks, 10, sequences=2, max_new_tokens=20)  # 100: the limit
+    with pytest.raises(QuotaExceeded, match="reserves 30"):
+        quotas.admit(toks, 10, sequences=1, max_new_tokens=20)
+    quotas.release(toks, a, 5)  # it generated 5 of its 40: 15 + 50 in the window
+    quotas.admit(toks, 10, sequences=1, max_new_tokens=20)
+    assert quotas.snapshot()["t"]["tokens_last_minute"] == 95
+    with pytest.raises(ValueError, match="reserves 210 tokens"):
+        quotas.admit(toks, 10, sequences=2, max_new_tokens=100)
+
+
+@pytest.mark.parametrize("salt", ["tenant:beta\x00", '"beta", null', 'beta", null]', '["beta", null]', "beta", ""])
+def test_no_request_salt_spells_another_tenants_cache_salt(salt):
+    """The engine's cache salt is the tenant's group and the request's salt as a JSON pair: no salt sent
+    by a shared-group key or another tenant equals tenant beta's, with or without its own salt."""
+    beta = Tenant("beta")
+    for other in (Tenant("a"), Tenant("shared", prefix_cache_group=""), Tenant("g", prefix_cache_group="beta2")):
+        assert other.cache_salt(salt) not in (beta.cache_salt(None), beta.cache_salt(""), beta.cache_salt("x"))
+    assert Tenant("shared", prefix_cache_group="").cache_salt(None) is None  # the server's default cache

@@ -15,7 +15,7 @@ from serve.http.state import ServerState
 from serve.openai_protocol import ChatCompletionRequest, OpenAIError, _Common
 from serve.outputs import RequestOutput
 from serve.sampling_params import OutputKind, SamplingParams
-from serve.tenants import Tenant
+from serve.tenants import Admission, Tenant
 
 
 def max_tokens_for(limit: int, prompt_len: int, requested: int | None, param: str) -> int:
@@ -81,6 +81,15 @@ async def merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGene
             await s.aclose()
 
 
+async def collect(gen: Generation, merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> None:
+    """Record every output of a call that is answered whole (its requests abort if this is cancelled)."""
+    try:
+        async for i, out in merged:
+            gen.record(i, out)
+    finally:
+        await merged.aclose()
+
+
 class Generation:
     """One API call: its engine requests (one per prompt), how they map to choices, and what has
     been streamed of each choice."""
@@ -115,12 +124,13 @@ class Generation:
         if echo is not None and logprobs is not None:  # echoed tokens carry their logprobs too
             k = max(logprobs, req.prompt_logprobs or 0)
             self.params = [dataclasses.replace(p, prompt_logprobs=k) for p in self.params]
-        self.num_seqs = len(prompts) * req.n
+        self.num_seqs = len(prompts) * max(req.n, req.best_of or 1)  # best_of > n only for beam search
         self.completion_tokens = 0
         self.final: dict[int, RequestOutput] = {}
         self.text_offset: dict[int, int] = {}
         self.started: set[int] = set()  # choices that have shown their first output
         self.tenant: Tenant | None = None  # who sent it (with --api-keys-file): its cache salt and priority
+        self.admission: Admission | None = None  # its tenant's quota accounting
 
     def engine_request_options(self) -> dict[str, Any]:
         """cache_salt, priority and kv_transfer_params for the engine: the tenant's cache group salts

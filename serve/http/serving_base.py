@@ -7,16 +7,16 @@ import abc
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.core_client import EngineDeadError
-from serve.http.beam import respond_beam_search
+from serve.http.beam import beam_search_answer
 from serve.http.errors import bad_request, dead, error_response
-from serve.http.generation import Generation
+from serve.http.generation import Generation, collect
 from serve.http.state import ServerState
 from serve.openai_protocol import ChatMessage, OpenAIError, _Common
 from serve.outputs import CompletionOutput, Logprobs, RequestOutput
@@ -109,56 +109,73 @@ class GenerationServing(OpenAIServing):
         """The fields every response body and stream chunk starts with."""
         return {"id": gen.id, "object": object_, "created": int(time.time()), "model": self.state.model_name}
 
-    async def respond(self, request: Request, gen: Generation) -> Response:
-        """Admit `gen` (a 429 past capacity, or past its tenant's quota with Retry-After), start it,
-        and answer with its body or its SSE stream."""
-        if gen.params[0].use_beam_search:
-            return await respond_beam_search(self, gen)
+    def admit(self, request: Request, gen: Generation) -> Response | None:
+        """Count `gen`'s sequences (prompts x n, or x beams) in against the server's capacity and its
+        tenant's quotas: a 400 for a call that can never run, a 429 past capacity; returns the 429 with
+        Retry-After past the tenant's quota. One path for every kind of call (beam search included)."""
         state = self.state
-        per_prompt = max(gen.req.n, gen.req.best_of or 1)
+        per_prompt = gen.num_seqs // len(gen.prompts)
         if per_prompt > self.engine.args.max_num_seqs or gen.num_seqs > state.capacity:
             raise OpenAIError(
                 400,
                 f"This request needs {gen.num_seqs} sequences ({per_prompt} per prompt); the server runs at most "
                 f"{self.engine.args.max_num_seqs} at once and admits {state.capacity}, so it can never run.",
-                param="n",
+                param="best_of" if gen.req.use_beam_search else "n",
             )
         if state.in_flight + gen.num_seqs > state.capacity:
             raise OpenAIError(
                 429, "The server is overloaded: too many sequences in flight. Retry later.", type_="rate_limit_error"
             )
-        gen.tenant = getattr(request.state, "tenant", None)
-        if gen.tenant is not None:
+        tenant = getattr(request.state, "tenant", None)
+        if tenant is not None:
+            reserved = max(p.max_tokens or 0 for p in gen.params)
             try:
-                state.quotas.admit(gen.tenant, sum(len(p) for p in gen.prompts))
+                gen.admission = state.quotas.admit(tenant, sum(map(len, gen.prompts)), gen.num_seqs, reserved)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="max_tokens" if "tokens" in str(e) else "n") from e
             except QuotaExceeded as e:
                 response = error_response(OpenAIError(429, str(e), type_="rate_limit_error", code="quota_exceeded"))
                 response.headers["Retry-After"] = str(e.retry_after)
                 return response
+            gen.tenant = tenant
         state.in_flight += gen.num_seqs
-        try:
-            merged = await gen.start()
-        except BaseException:
-            self.finish(gen)
-            raise
-        if gen.req.stream:
-            return StreamingResponse(self._stream(gen, merged), media_type="text/event-stream")
+        return None
 
-        async def collect() -> None:
-            async for i, out in merged:
-                gen.record(i, out)
+    async def respond(self, request: Request, gen: Generation) -> Response:
+        """Admit `gen`, start it, and answer with its body or its SSE stream."""
+        refused = self.admit(request, gen)
+        if refused is not None:
+            return refused
+        streaming = False
+        try:
+            if gen.params[0].use_beam_search:
+                work = beam_search_answer(self.state, gen)
+            else:
+                merged = await gen.start()
+                if gen.req.stream:
+                    streaming = True  # the stream finishes the call
+                    return StreamingResponse(self._stream(gen, merged), media_type="text/event-stream")
+                work = collect(gen, merged)
+            return await self._answer(request, gen, work)
+        finally:
+            if not streaming:
+                self.finish(gen)
+
+    async def _answer(self, request: Request, gen: Generation, work: Coroutine[Any, Any, None]) -> Response:
+        """Run `work` (which records gen's outputs) to its end and answer with the whole body; a 499 if
+        the client leaves first and a 408 past the request timeout (either way the work is cancelled, which
+        aborts its engine requests)."""
 
         async def watch_disconnect() -> None:  # vLLM's listen_for_disconnect: the body is read, so
             while (await request.receive())["type"] != "http.disconnect":  # the next message is the end
                 pass
 
-        worker, watcher = asyncio.create_task(collect()), asyncio.create_task(watch_disconnect())
+        worker, watcher = asyncio.create_task(work), asyncio.create_task(watch_disconnect())
         try:
             done, _ = await asyncio.wait(
-                {worker, watcher}, timeout=state.request_timeout, return_when=asyncio.FIRST_COMPLETED
+                {worker, watcher}, timeout=self.state.request_timeout, return_when=asyncio.FIRST_COMPLETED
             )
             if worker not in done:
-                worker.cancel()
                 if watcher in done:
                     return Response(status_code=499)
                 raise OpenAIError(408, "request timed out", type_="timeout")
@@ -172,16 +189,14 @@ class GenerationServing(OpenAIServing):
         finally:
             for task in (worker, watcher):
                 task.cancel()
-            await asyncio.gather(worker, watcher, return_exceptions=True)  # let the worker leave merged
-            await merged.aclose()
-            self.finish(gen)
+            await asyncio.gather(worker, watcher, return_exceptions=True)
 
     def finish(self, gen: Generation) -> None:
         """The call is over (answered, failed or abandoned): its sequences leave the in-flight count,
         its tenant is charged for what it generated, the live stats forget its requests."""
         self.state.in_flight -= gen.num_seqs
-        if gen.tenant is not None:
-            self.state.quotas.release(gen.tenant, gen.completion_tokens)
+        if gen.tenant is not None and gen.admission is not None:
+            self.state.quotas.release(gen.tenant, gen.admission, gen.completion_tokens)
         for rid in gen.ids:
             self.state.metrics.finish_request(rid)
 

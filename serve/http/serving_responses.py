@@ -184,10 +184,17 @@ def call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     }
 
 
+def _owner(request: Request) -> str | None:
+    """Whose stored responses a request may read: its tenant's (None on a server without keys)."""
+    tenant = getattr(request.state, "tenant", None)
+    return tenant.name if tenant is not None else None
+
+
 class ServingResponses(GenerationServing):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.store: collections.OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = (
+        # response id -> (owner, body, conversation); the owner is the tenant that made it (None without keys)
+        self.store: collections.OrderedDict[str, tuple[str | None, dict[str, Any], list[dict[str, Any]]]] = (
             collections.OrderedDict()
         )
 
@@ -197,17 +204,21 @@ class ServingResponses(GenerationServing):
         router.add_api_route("/v1/responses/{response_id}", self.retrieve, methods=["GET"])
         return router
 
-    def _stored(self, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        if response_id not in self.store:
+    def _stored(self, request: Request, response_id: str, param: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A stored response and its conversation, if the caller's tenant made it (another tenant's is
+        answered exactly as one that does not exist)."""
+        owner, body, conversation = self.store.get(response_id, (None, None, None))
+        if body is None or conversation is None or owner != _owner(request):
             raise OpenAIError(404, f"Response with id '{response_id}' not found.", param=param, code="not_found")
-        return self.store[response_id]
+        return body, conversation
 
-    async def retrieve(self, response_id: str) -> dict[str, Any]:
-        return self._stored(response_id, "response_id")[0]
+    async def retrieve(self, response_id: str, request: Request) -> dict[str, Any]:
+        return self._stored(request, response_id, "response_id")[0]
 
     async def create(self, req: ResponsesRequest, request: Request) -> Response:
         req.warn_unknown()
-        history = self._stored(req.previous_response_id, "previous_response_id")[1] if req.previous_response_id else []
+        previous = req.previous_response_id
+        history = self._stored(request, previous, "previous_response_id")[1] if previous else []
         chat = chat_request(req, history)
         self.check_request(chat)
         tools = plan_tools(chat, self.state.tools)
@@ -237,7 +248,7 @@ class ServingResponses(GenerationServing):
             else:
                 call = {"name": item["name"], "arguments": item["arguments"]}
                 reply.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": call})
-        self.store[gen.response_id] = (body, [*gen.history, reply])
+        self.store[gen.response_id] = (gen.tenant.name if gen.tenant else None, body, [*gen.history, reply])
         while len(self.store) > STORE_SIZE:
             self.store.popitem(last=False)
 

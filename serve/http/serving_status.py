@@ -26,11 +26,19 @@ class ServingStatus(OpenAIServing):
         return r
 
     async def status(self, request: Request) -> dict[str, Any]:
+        """The server's state; a tenant that is not an operator sees only its own rows of the tenant
+        table and of the slowest requests."""
         state, engine = self.state, self.engine
         memory, stats = None, None
         if engine.healthy:
             with contextlib.suppress(EngineDeadError):
                 memory, stats = await engine.call("memory"), await engine.call("stats")
+        live = state.metrics.live.snapshot(stats=stats)
+        tenants = state.quotas.snapshot(state.keys.tenants() if state.keys else ())
+        viewer = getattr(request.state, "tenant", None)
+        if viewer is not None and not viewer.operator:
+            tenants = {name: row for name, row in tenants.items() if name == viewer.name}
+            live["slowest_requests"] = [r for r in live["slowest_requests"] if r["tenant"] == viewer.name]
         return {
             "model": state.model_name,
             "uptime_s": round(time.time() - state.created, 1),
@@ -40,9 +48,9 @@ class ServingStatus(OpenAIServing):
             "capacity_sequences": state.capacity,
             "num_blocks": engine.num_blocks,
             "engine_args": dataclasses.asdict(engine.args),
-            **state.metrics.live.snapshot(stats=stats),
+            **live,
             "memory": memory,
-            "tenants": state.quotas.snapshot(state.keys.tenants() if state.keys else ()),
+            "tenants": tenants,
         }
 
     async def dashboard(self) -> HTMLResponse:

@@ -179,6 +179,30 @@ class TenantQuotas:
         now = self.clock()
         u = self.usage.setdefault(tenant.name, _Usage())
         u.expire(now)
+        self._check(tenant, u, now, sequences, need)
+        u.requests.append(now)
+        u.in_flight += sequences
+        u.admitted += 1
+        entry = [now, need]
+        u.tokens.append(entry)
+        u.token_sum += need
+        return Admission(sequences, prompt_tokens, entry)
+
+    def refusal(self, tenant: Tenant) -> QuotaExceeded | None:
+        """Why no call of this tenant fits now (any call needs a request, a sequence and a token), counted
+        as a refusal; None if one may. The server asks before reading a body, so a flood of refused calls
+        costs it little."""
+        now = self.clock()
+        u = self.usage.setdefault(tenant.name, _Usage())
+        u.expire(now)
+        try:
+            self._check(tenant, u, now, 1, 1)
+        except QuotaExceeded as e:
+            return e
+        return None
+
+    def _check(self, tenant: Tenant, u: _Usage, now: float, sequences: int, need: int) -> None:
+        """QuotaExceeded (counted) if a call of `sequences` sequences reserving `need` tokens does not fit now."""
         try:
             if tenant.max_concurrent is not None and u.in_flight + sequences > tenant.max_concurrent:
                 raise QuotaExceeded(
@@ -191,6 +215,7 @@ class TenantQuotas:
                 raise QuotaExceeded(
                     f"tenant {tenant.name!r} is over its {rpm} requests per minute", u.requests[0] + WINDOW_S - now
                 )
+            tpm = tenant.tokens_per_minute
             if tpm is not None and u.token_sum + need > tpm:
                 raise QuotaExceeded(
                     f"tenant {tenant.name!r} is over its {tpm} tokens per minute (this request reserves {need})",
@@ -199,13 +224,6 @@ class TenantQuotas:
         except QuotaExceeded:
             u.refused += 1
             raise
-        u.requests.append(now)
-        u.in_flight += sequences
-        u.admitted += 1
-        entry = [now, need]
-        u.tokens.append(entry)
-        u.token_sum += need
-        return Admission(sequences, prompt_tokens, entry)
 
     def _tokens_free_at(self, u: _Usage, allowed: int) -> float:
         """When the window's tokens drop to `allowed` (a minute from now if they never will)."""

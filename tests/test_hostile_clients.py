@@ -19,6 +19,7 @@ TENANTS = {
     b"alpha": Tenant("alpha"),
     b"beta": Tenant("beta"),
     b"limited": Tenant("limited", max_concurrent=2, tokens_per_minute=300),
+    b"flood": Tenant("flood", requests_per_minute=1),
 }
 KEYS = {name.decode(): f"sk-{name.decode()}-key" for name in TENANTS}
 OPERATOR = "sk-operator-key"
@@ -122,7 +123,7 @@ def test_beam_search_is_admitted_like_any_call(server):
     url, _ = server
     beams = {"use_beam_search": True, "max_tokens": 3}
     r = complete(url, prompt=["a b", "c d", "e f", "g h"], best_of=8, **beams)
-    assert r.status_code == 400 and "32 sequences" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "can never run" in r.json()["error"]["message"], r.text  # 32 of 24
     r = complete(url, "limited", best_of=3, **beams)
     assert r.status_code == 400 and "tenant 'limited' may run 2" in r.json()["error"]["message"], r.text
     r = complete(url, "limited", best_of=2, **beams)
@@ -193,3 +194,16 @@ def test_a_cache_salt_cannot_join_another_tenants_prefix_cache(server):
     assert core_stats(app).prefix_cache_hits == before  # counted when scheduled, before each answer
     complete(url, "beta", prompt=prompt, max_tokens=1)
     assert eventually(lambda: core_stats(app).prefix_cache_hits > before)  # beta itself still hits
+
+
+def test_a_tenant_over_its_quota_is_refused_before_its_body_is_read(server):
+    """Once over its requests per minute, a tenant's calls get their 429 (with Retry-After) before the
+    body is parsed: a body that is not even JSON gets the 429, not a 400; its other routes still work."""
+    url, _ = server
+    assert complete(url, "flood").status_code == 200
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        r = httpx.post(f"{url}{path}", content=b"{not json", headers=auth("flood"))
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0, (path, r.text)
+        assert r.json()["error"]["code"] == "quota_exceeded"
+    assert httpx.get(f"{url}/v1/models", headers=auth("flood")).status_code == 200
+    assert httpx.get(f"{url}/status", headers=auth("flood")).json()["tenants"]["flood"]["refused"] == 3

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.core_client import EngineDeadError
 from serve.openai_protocol import OpenAIError
+from serve.tenants import QuotaExceeded
 
 
 def bad_request(e: Exception) -> OpenAIError:
@@ -26,6 +27,13 @@ def dead(e: EngineDeadError) -> OpenAIError:
 
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def quota_response(e: QuotaExceeded) -> JSONResponse:
+    """A tenant's 429 past its quota, with the seconds after which the same call would fit."""
+    response = error_response(OpenAIError(429, str(e), type_="rate_limit_error", code="quota_exceeded"))
+    response.headers["Retry-After"] = str(e.retry_after)
+    return response
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.http.errors import error_response
+from serve.http.errors import error_response, quota_response
 from serve.http.state import ServerState
 from serve.openai_protocol import OpenAIError
 
@@ -33,8 +33,29 @@ class RefuseWhileDraining:
         await self.app(scope, receive, send)
 
 
+class RefuseOverQuota:
+    """A generating call of a tenant that is over a quota any call would need (requests or tokens a
+    minute, sequences in flight) gets its 429 before its body is read or parsed: a flood of refused
+    calls costs the server little of the CPU the other tenants' streams need."""
+
+    paths = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tenant = scope.get("state", {}).get("tenant") if scope["type"] == "http" else None
+        if tenant is not None and scope["method"] == "POST" and _path(scope) in self.paths:
+            refused = self.state.quotas.refusal(tenant)
+            if refused is not None:
+                await quota_response(refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _path(scope: Scope) -> str:
     return scope["path"].removeprefix(scope.get("root_path", "")) or "/"
 
 
-MIDDLEWARE: tuple[type[RefuseWhileDraining], ...] = (RefuseWhileDraining,)
+MIDDLEWARE: tuple[type[RefuseWhileDraining | RefuseOverQuota], ...] = (RefuseOverQuota, RefuseWhileDraining)

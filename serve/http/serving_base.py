@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve.core_client import EngineDeadError
 from serve.http.beam import beam_search_answer
-from serve.http.errors import bad_request, dead, error_response
+from serve.http.errors import bad_request, dead, quota_response
 from serve.http.generation import Generation, collect
 from serve.http.state import ServerState
 from serve.openai_protocol import ChatMessage, OpenAIError, _Common
@@ -134,9 +134,7 @@ class GenerationServing(OpenAIServing):
             except ValueError as e:
                 raise OpenAIError(400, str(e), param="max_tokens" if "tokens" in str(e) else "n") from e
             except QuotaExceeded as e:
-                response = error_response(OpenAIError(429, str(e), type_="rate_limit_error", code="quota_exceeded"))
-                response.headers["Retry-After"] = str(e.retry_after)
-                return response
+                return quota_response(e)
             gen.tenant = tenant
         state.in_flight += gen.num_seqs
         return None

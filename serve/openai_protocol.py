@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve.sampling_params import MAX_LOGPROBS, OutputKind, SamplingParams, StructuredOutputsParams
 
@@ -18,6 +19,9 @@ logger = logging.getLogger("jaxinfra.serve")
 
 # Known fields this server refuses with a 400 rather than ignore (ignoring them would change the answer).
 UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction")
+# Nesting a request body may have: far past real ones (OpenAI's schemas nest at most 10 objects deep),
+# far short of what exhausts Python's recursion where schemas are copied and compiled.
+MAX_JSON_DEPTH = 64
 
 
 class OpenAIError(Exception):
@@ -35,7 +39,46 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The error JSON, always encodable (a quoted lone surrogate once made the error itself a 500)."""
+        param = None if self.param is None else _encodable(self.param)
+        return {"error": {"message": _encodable(self.message), "type": self.type, "param": param, "code": self.code}}
+
+
+def _encodable(text: str) -> str:
+    """`text` with each lone surrogate (from a request's \\ud800 escape) as that escape: UTF-8 cannot encode one."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def _bad_scalar(value: Any) -> str | None:
+    """Why a JSON scalar (or key) is not one JSON text can hold, if it is not: NaN and infinities (which
+    Python's json reads) and lone surrogates (a \\ud800 escape: not Unicode, so nothing can encode it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"holds {value}: NaN and infinities are not JSON numbers"
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            return f"holds {value[e.start]!a}, a lone surrogate: not valid Unicode"
+    return None
+
+
+def json_problem(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The top-level field of a parsed request body that holds what no JSON text should (see
+    `_bad_scalar`) or nests past MAX_JSON_DEPTH, and why; None if there is none. Iterative: a
+    deep body cannot exhaust the recursion this guards."""
+    stack: list[tuple[str, str, Any, int]] = [("", "", body, 0)]  # (top-level field, path, node, depth)
+    while stack:
+        field, path, node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return field, f"{field} nests deeper than {MAX_JSON_DEPTH} levels"
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            why = _bad_scalar(key) or _bad_scalar(value)
+            if why is not None or isinstance(value, (dict, list)):
+                top, where = (str(key), str(key)) if depth == 0 else (field, f"{path}.{key}")
+                if why is not None:
+                    return top, f"{where} {why}"
+                stack.append((top, where, value, depth + 1))
+    return None
 
 
 class _Lenient(BaseModel):
@@ -46,6 +89,18 @@ class _Lenient(BaseModel):
     def warn_unknown(self, where: str = "") -> None:
         for name in self.model_extra or {}:
             logger.warning("ignoring unknown request field %r", f"{where}{name}")
+
+
+class _Request(_Lenient):
+    """A whole request body: a 400 naming the field, before anything else, for what JSON cannot hold."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, body: Any) -> Any:
+        problem = json_problem(body) if isinstance(body, dict) else None
+        if problem is not None:  # an OpenAIError passes through pydantic (a ValueError would lose the field)
+            raise OpenAIError(400, problem[1], param=problem[0])
+        return body
 
 
 class StreamOptions(_Lenient):
@@ -65,7 +120,7 @@ class ResponseFormat(_Lenient):
     json_schema: JsonSchema | None = None
 
 
-class _Common(_Lenient):
+class _Common(_Request):
     """Sampling fields shared by both endpoints (OpenAI's, plus vLLM's extensions)."""
 
     model: str | None = None
@@ -171,10 +226,13 @@ class _Common(_Lenient):
             fields = ", ".join(name for name, _ in found)
             raise OpenAIError(400, f"give one output constraint, got {fields}", param=found[1][0])
         if found and isinstance(found[0][1].json, str):
+            field = found[0][0]
             try:
-                json.loads(found[0][1].json)
-            except ValueError as e:
-                raise OpenAIError(400, f"the JSON schema is not valid JSON: {e}", param=found[0][0]) from e
+                problem = json_problem({field: json.loads(found[0][1].json)})  # as if the schema came as JSON
+            except (ValueError, RecursionError) as e:
+                raise OpenAIError(400, f"the JSON schema is not valid JSON: {e}", param=field) from e
+            if problem is not None:
+                raise OpenAIError(400, f"the JSON schema string: {problem[1]}", param=field)
         return found[0][1] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, output_kind: OutputKind) -> SamplingParams:
@@ -305,7 +363,7 @@ class ChatCompletionRequest(_Common):
             )
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or messages rendered by the chat template."""
 
     model: str | None = None
@@ -317,6 +375,6 @@ class TokenizeRequest(_Lenient):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]

@@ -107,16 +107,26 @@ class SamplingParams:
             if not _is_int(value) or not lo <= value <= hi:
                 raise bad(field, f"must be an int in [{lo}, {hi}]" + (" or None" if optional else ""))
 
+        # The device samples in float32: a value must stay finite there, and not flush to 0 unless it is 0.
+        f32_max, f32_min_normal = 3.4028234663852886e38, 1.1754943508222875e-38
+        # Logits are divided by the temperature and the repetition penalty (or multiplied by the latter):
+        # within these bounds even 1e6-sized logits stay far inside float32's range.
+        min_temperature, repetition_range = 1e-10, (1e-10, 1e10)
+
         def check_float(field: str, lo: float, hi: float, lo_open: bool = False) -> None:
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(field, "must be a finite number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -f32_max <= value <= f32_max:
+                raise bad(field, "must be a number that is finite in float32")
             if value < lo or value > hi or (lo_open and value == lo):
-                raise bad(field, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+                raise bad(field, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+            if value != 0 and abs(value) < f32_min_normal:
+                raise bad(field, f"must be 0 or at least {f32_min_normal:.2g} in magnitude (float32 reads it as 0)")
             setattr(self, field, float(value))
 
         check_int("n", 1, INT32_MAX)
         check_float("temperature", 0.0, math.inf)
+        if 0 < self.temperature < min_temperature:
+            raise bad("temperature", f"must be 0 (greedy) or at least {min_temperature:g} (logits are divided by it)")
         check_float("top_p", 0.0, 1.0, lo_open=True)
         if self.top_k == -1:
             self.top_k = 0
@@ -124,7 +134,7 @@ class SamplingParams:
         check_float("min_p", 0.0, 1.0)
         check_float("presence_penalty", -2.0, 2.0)
         check_float("frequency_penalty", -2.0, 2.0)
-        check_float("repetition_penalty", 0.0, math.inf, lo_open=True)
+        check_float("repetition_penalty", *repetition_range)
         check_int("seed", INT64_MIN, INT64_MAX, optional=True)
         check_int("max_tokens", 1, INT32_MAX, optional=True)
         check_int("min_tokens", 0, INT32_MAX)
@@ -160,9 +170,11 @@ class SamplingParams:
                     raise bad("logit_bias", f"keys must be token ids in [0, {INT32_MAX}]")
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
                     raise bad("logit_bias", "values must be numbers in [-100, 100]")
+                if value != 0 and abs(value) < f32_min_normal:
+                    raise bad("logit_bias", f"values must be 0 or at least {f32_min_normal:.2g} in magnitude")
             self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
         check_int("best_of", self.n, INT32_MAX, optional=True)
-        check_float("length_penalty", -math.inf, math.inf)
+        check_float("length_penalty", -32.0, 32.0)  # beam scores divide by generated_len ** it: finite within this
         if self.early_stopping not in (True, False, "never"):
             raise bad("early_stopping", "must be true, false or 'never'")
         flags = (

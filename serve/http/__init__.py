@@ -11,7 +11,7 @@
     serving_completion.py    /v1/completions (beams: beam.py)
     serving_chat.py          /v1/chat/completions (tool calls: tool_calls.py; beams: beam.py)
     serving_responses.py     /v1/responses
-    serving_models.py        /health, /metrics, /v1/models, /version
+    serving_models.py        /health, /ping, /metrics, /v1/models, /version
     serving_tokenization.py  /tokenize, /detokenize, /tokenizer_info
     serving_status.py        /status, /dashboard
     cli_args.py              `jaxinfra serve` arguments (one flag per EngineArgs field, generated)

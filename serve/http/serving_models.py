@@ -1,4 +1,5 @@
-"""GET /health, /metrics, /v1/models and /version: what is served and whether it is up."""
+"""GET /health (and vLLM's GET and POST /ping), /metrics, /v1/models and /version: what is served and
+whether it is up."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class ServingModels(OpenAIServing):
     def router(self) -> APIRouter:
         router = APIRouter()
         router.add_api_route("/health", self.health, methods=["GET"])
+        router.add_api_route("/ping", self.health, methods=["GET", "POST"])  # vLLM's (SageMaker's) health check
         router.add_api_route("/metrics", self.metrics, methods=["GET"])
         router.add_api_route("/v1/models", self.models, methods=["GET"])
         router.add_api_route("/version", self.version, methods=["GET"])

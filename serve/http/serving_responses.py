@@ -23,13 +23,13 @@ from pydantic import Field
 from serve.http.generation import Generation
 from serve.http.serving_base import GenerationServing
 from serve.http.tool_calls import ChatGeneration, plan_tools
-from serve.openai_protocol import ChatCompletionRequest, OpenAIError, _Lenient
+from serve.openai_protocol import ChatCompletionRequest, OpenAIError, _Request
 from serve.outputs import RequestOutput
 
 STORE_SIZE = 1000  # responses kept for previous_response_id
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -47,11 +47,17 @@ class ResponsesRequest(_Lenient):
     metadata: dict[str, Any] | None = None
 
 
-def _text(content: Any) -> str:
-    """An input item's content: a string, or parts whose text is joined (input_text, output_text)."""
+def _text(content: Any, where: str) -> str:
+    """An input item's content: a string, or parts whose text is joined (input_text, output_text); a
+    400 naming `input` for anything else."""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
+    parts = content or []
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in parts
+    ):
+        raise OpenAIError(400, f"{where} must be a string or a list of parts whose text is a string", param="input")
+    return "".join(p.get("text", "") for p in parts)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -62,7 +68,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message" and "role" in item:
-            messages.append({"role": item["role"], "content": _text(item.get("content"))})
+            messages.append({"role": item["role"], "content": _text(item.get("content"), f"input[{i}].content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function"}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
@@ -71,7 +77,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
+            output = _text(item.get("output"), f"input[{i}].output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         else:
             raise OpenAIError(400, f"input[{i}]: items of type {kind!r} are not supported", param="input")
     return messages
@@ -93,9 +100,13 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         "parallel_tool_calls": req.parallel_tool_calls,
     }
     fmt = (req.text or {}).get("format") or {"type": "text"}
-    if fmt.get("type") == "json_schema":
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise OpenAIError(
+            400, "text.format must be {'type': 'text' | 'json_object' | 'json_schema', ...}", param="text"
+        )
+    if fmt["type"] == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-    elif fmt.get("type") == "json_object":
+    elif fmt["type"] == "json_object":
         body["response_format"] = {"type": "json_object"}
     if req.tools:
         body["tools"] = [
@@ -110,7 +121,10 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         return ChatCompletionRequest.model_validate(body)
     except pydantic.ValidationError as e:
         first = e.errors()[0]
-        raise OpenAIError(400, f"{first['msg']} (field: {'.'.join(map(str, first['loc']))})") from e
+        loc = [str(x) for x in first["loc"]]
+        renamed = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+        param = renamed.get(loc[0], loc[0]) if loc else None  # the Responses field the chat field came from
+        raise OpenAIError(400, f"{first['msg']} (field: {'.'.join(loc)})", param=param) from e
 
 
 class ResponseGeneration(ChatGeneration):

@@ -70,7 +70,8 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan(tools, StructuredOutputsParams(json=schema), RequiredToolParser())
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    named = choice.get("function") if isinstance(choice, dict) else None  # {"name": ...}, if well formed
+    name = named.get("name") if isinstance(named, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise OpenAIError(
             400,

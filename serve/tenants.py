@@ -147,6 +147,14 @@ class Admission:
     entry: list[float]
 
 
+class NeverFits(ValueError):
+    """A call that no wait lets through its tenant's limits; `param` names the request field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class QuotaExceeded(Exception):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
@@ -162,19 +170,21 @@ class TenantQuotas:
 
     def admit(self, tenant: Tenant, prompt_tokens: int, sequences: int = 1, max_new_tokens: int = 0) -> Admission:
         """Count a call of `sequences` sequences in, reserving its prompt tokens and `max_new_tokens`
-        for each sequence; QuotaExceeded with the seconds after which the same call would fit, or a
-        ValueError for a call that never can."""
+        for each sequence; QuotaExceeded with the seconds after which the same call would fit, or
+        NeverFits for a call that never can."""
         need = prompt_tokens + sequences * max_new_tokens
         if tenant.max_concurrent is not None and sequences > tenant.max_concurrent:
-            raise ValueError(
+            raise NeverFits(
                 f"this request needs {sequences} sequences; tenant {tenant.name!r} may run {tenant.max_concurrent} "
-                "at once, so it can never run"
+                "at once, so it can never run",
+                "n",
             )
         tpm = tenant.tokens_per_minute
         if tpm is not None and need > tpm:
-            raise ValueError(
+            raise NeverFits(
                 f"this request reserves {need} tokens ({prompt_tokens} in its prompts, max_tokens {max_new_tokens} "
-                f"for each of {sequences} sequences); tenant {tenant.name!r} has {tpm} a minute: lower max_tokens"
+                f"for each of {sequences} sequences); tenant {tenant.name!r} has {tpm} a minute: lower max_tokens",
+                "max_tokens",
             )
         now = self.clock()
         u = self.usage.setdefault(tenant.name, _Usage())

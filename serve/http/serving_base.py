@@ -21,7 +21,7 @@ from serve.http.state import ServerState
 from serve.openai_protocol import ChatMessage, OpenAIError, _Common
 from serve.outputs import CompletionOutput, Logprobs, RequestOutput
 from serve.prompt_bound import surely_too_long
-from serve.tenants import QuotaExceeded
+from serve.tenants import NeverFits, QuotaExceeded
 
 
 def sse(body: dict[str, Any]) -> str:
@@ -131,8 +131,8 @@ class GenerationServing(OpenAIServing):
             reserved = max(p.max_tokens or 0 for p in gen.params)
             try:
                 gen.admission = state.quotas.admit(tenant, sum(map(len, gen.prompts)), gen.num_seqs, reserved)
-            except ValueError as e:
-                raise OpenAIError(400, str(e), param="max_tokens" if "tokens" in str(e) else "n") from e
+            except NeverFits as e:
+                raise OpenAIError(400, str(e), param=e.param) from e
             except QuotaExceeded as e:
                 return quota_response(e)
             gen.tenant = tenant

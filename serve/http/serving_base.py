@@ -109,19 +109,26 @@ class GenerationServing(OpenAIServing):
         """The fields every response body and stream chunk starts with."""
         return {"id": gen.id, "object": object_, "created": int(time.time()), "model": self.state.model_name}
 
+    def check_never_runs(self, req: _Common, prompts: int) -> None:
+        """A 400 for a call of `prompts` prompts that can never run: more sequences a prompt (n, best_of
+        or beams) than --max-num-seqs, or more in all than the server admits. Completions ask it before
+        tokenizing, so 60,000 prompts cost no tokenizing; admission asks it for every call."""
+        per_prompt, most, capacity = max(req.n, req.best_of or 1), self.engine.args.max_num_seqs, self.state.capacity
+        if per_prompt > most or prompts * per_prompt > capacity:
+            field = "best_of" if req.use_beam_search else "n"
+            raise OpenAIError(
+                400,
+                f"This request needs {prompts * per_prompt} sequences ({prompts} prompts of {per_prompt}); the server "
+                f"runs at most {most} at once and admits {capacity}, so it can never run.",
+                param="prompt" if prompts > 1 and per_prompt <= most else field,
+            )
+
     def admit(self, request: Request, gen: Generation) -> Response | None:
         """Count `gen`'s sequences (prompts x n, or x beams) in against the server's capacity and its
         tenant's quotas: a 400 for a call that can never run, a 429 past capacity; returns the 429 with
         Retry-After past the tenant's quota. One path for every kind of call (beam search included)."""
         state = self.state
-        per_prompt = gen.num_seqs // len(gen.prompts)
-        if per_prompt > self.engine.args.max_num_seqs or gen.num_seqs > state.capacity:
-            raise OpenAIError(
-                400,
-                f"This request needs {gen.num_seqs} sequences ({per_prompt} per prompt); the server runs at most "
-                f"{self.engine.args.max_num_seqs} at once and admits {state.capacity}, so it can never run.",
-                param="best_of" if gen.req.use_beam_search else "n",
-            )
+        self.check_never_runs(gen.req, len(gen.prompts))
         if state.in_flight + gen.num_seqs > state.capacity:
             raise OpenAIError(
                 429, "The server is overloaded: too many sequences in flight. Retry later.", type_="rate_limit_error"

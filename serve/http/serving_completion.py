@@ -25,25 +25,13 @@ class ServingCompletion(GenerationServing):
         if req.max_tokens == 0 and not req.echo:
             raise OpenAIError(400, "max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts = req.prompts()
-        self.check_prompt_count(req, len(prompts))
+        self.check_never_runs(req, len(prompts))  # before any tokenizing
         ids = [await asyncio.to_thread(self.tokenize, p, req.add_special_tokens) for p in prompts]  # off the loop
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else await asyncio.to_thread(self._decode, q) for p, q in zip(prompts, ids)]
         gen = Generation(self.state, req, ids, req.logprobs, req.max_tokens, echo=echo)
         return await self.respond(request, gen)
-
-    def check_prompt_count(self, req: CompletionRequest, prompts: int) -> None:
-        """A 400, before any prompt is tokenized, for more prompts (x n) than the server ever admits at once:
-        60,000 one-character prompts once cost seconds of tokenizing (stalling every stream) before theirs."""
-        per_prompt, capacity = max(req.n, req.best_of or 1), self.state.capacity
-        if prompts > 1 and prompts * per_prompt > capacity:
-            raise OpenAIError(
-                400,
-                f"This request has {prompts} prompts of {per_prompt} sequences each; the server admits at most "
-                f"{capacity} sequences at once, so it can never run.",
-                param="prompt",
-            )
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer

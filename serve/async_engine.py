@@ -149,6 +149,8 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Check and queue a request (ValueError for bad input, EngineDeadError if the core is gone);
         returns the stream of its outputs."""
@@ -167,6 +169,8 @@ class AsyncEngine:
             priority=priority,
             kv_transfer_params=kv_transfer_params,
             grammar_checked=params.structured_outputs is not None,
+            tenant=tenant,
+            weight=weight,
         )
         self.start()
         queue: asyncio.Queue = asyncio.Queue()

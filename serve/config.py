@@ -37,7 +37,7 @@ def default_compilation_cache_dir() -> str:
     return os.path.join(base, "jax-compilation-cache")
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 
 
 @dataclasses.dataclass
@@ -96,7 +96,8 @@ class EngineArgs:
     num_scheduler_steps: int = 1
     """> 1: decode-only batches no waiting request could join run that many steps in one jitted loop."""
     scheduling_policy: str = "fcfs"
-    """fcfs | priority (requests' `priority` orders admission and preemption, lower first; vLLM's)."""
+    """fcfs | priority (requests' `priority` orders admission and preemption, lower first; vLLM's) | fair
+    (weighted fair queueing between the tenants of --api-keys-file, by their `weight`; fcfs within one)."""
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}
     (see serve/spec_decode/config.py)."""

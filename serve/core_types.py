@@ -25,6 +25,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
     cache_salt: str | None = None
     priority: int = 0  # with the priority policy: lower runs first
     kv_transfer_params: dict[str, Any] | None = None  # disaggregation: what the KV connector reads (vLLM's)
+    tenant: str = ""  # with the fair policy: whose share of the engine the request draws on
+    weight: float = 1.0  # the tenant's weight in that share
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

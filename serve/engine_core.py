@@ -196,7 +196,17 @@ class EngineCore:
         if any(t >= self.vocab_size for t in [*p.stop_token_ids, *(p.logit_bias or {})]):
             raise ValueError(f"SamplingParams.stop_token_ids and logit_bias keys must be in [0, {self.vocab_size})")
         seqs = [
-            Sequence(req.request_id, i, ids, p, req.seed, req.cache_salt, (req.priority, req.arrival_time))
+            Sequence(
+                req.request_id,
+                i,
+                ids,
+                p,
+                req.seed,
+                req.cache_salt,
+                (req.priority, req.arrival_time),
+                req.tenant,
+                req.weight,
+            )
             for i in range(p.n)
         ]
         if p.structured_outputs is not None:

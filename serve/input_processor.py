@@ -10,6 +10,7 @@ import numpy as np
 from jaxinfra.tokenizer import Tokenizer
 from serve.core_types import EngineCoreRequest
 from serve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from serve.scheduling_policy import check_weight
 from serve.structured_output import GrammarCompiler
 
 Prompt = str | list[int]
@@ -68,9 +69,12 @@ class InputProcessor:
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
         grammar_checked: bool = False,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> EngineCoreRequest:
         """The core's request; `grammar_checked`: the structured-output constraint was validated already
-        (the server checks it in a child process: serve.grammar_check)."""
+        (the server checks it in a child process: serve.grammar_check); `tenant`, `weight`: its share
+        under the fair policy."""
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -98,6 +102,9 @@ class InputProcessor:
             raise ValueError("cache_salt must be a string")
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise ValueError("kv_transfer_params must be an object")
+        if not isinstance(tenant, str):
+            raise ValueError("tenant must be a string")
+        check_weight(weight)
         seed = params.device_seed
         if seed is None:
             seed = int(self.rng.integers(2**31 - 1))
@@ -110,4 +117,6 @@ class InputProcessor:
             cache_salt,
             priority,
             kv_transfer_params,
+            tenant,
+            weight,
         )

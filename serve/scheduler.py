@@ -7,8 +7,6 @@ change that state (tokens appended, stop rules, counters, prefix-cache keys, fin
 
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
 from typing import Any
 
@@ -21,22 +19,19 @@ from serve.kv_transfer.base import KVConnectorBase
 from serve.kv_transfer.remote_loads import RemoteLoads
 from serve.prefill_budget import PrefillBudget
 from serve.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
+from serve.scheduling_policy import POLICIES
 from serve.sequence import Sequence, Status
 from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer
 from serve.spec_decode.scheduling import SpecScheduling
 from serve.step_data import SchedulerOutput, StepResult
 
 
-def _rank(seq: Sequence) -> Any:
-    return seq.rank
-
-
 class Scheduler:
     """Each step spends `max_num_batched_tokens` over at most `max_num_seqs` sequences: running ones
     first (decodes and unfinished prompt chunks), then waiting prompts. When blocks run out, the
-    newest running sequence is preempted (blocks freed, recomputed later). With the priority
-    policy, both queues are kept in (priority, arrival) order: the most urgent are admitted first
-    and the least urgent preempted first.
+    policy's choice of running sequence is preempted (blocks freed, recomputed later): the newest
+    under fcfs, the least urgent under priority, the most-served tenant's under fair
+    (serve.scheduling_policy, which also orders the waiting queue).
 
     Asynchronous scheduling: a running sequence whose last sampled token is still on the device is
     scheduled for it (the runner feeds it from the device); a waiting one is not admitted until its
@@ -69,7 +64,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.by_priority = policy == "priority"
+        self.policy = POLICIES[policy]()
         self.max_model_len = max_model_len
         self.eos_set = frozenset(eos_token_ids)
         self.num_scheduler_steps = num_scheduler_steps
@@ -79,7 +74,7 @@ class Scheduler:
         self.spec = None if proposer is None else SpecScheduling(proposer, disable_spec_above, max_model_len)
         self.connector = connector
         self.remote = None if connector is None else RemoteLoads(connector, block_manager)
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.waiting = self.policy  # the waiting queue, in the policy's order
         self.running: list[Sequence] = []
         self.requests: dict[str, CoreRequest] = {}
         self.host_bound: set[str] = set()  # requests with penalties or a grammar (`needs_sync`)
@@ -102,12 +97,7 @@ class Scheduler:
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
-        if self.by_priority:
-            bisect.insort(self.waiting, seq, key=_rank)
-        elif front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+        self.waiting.add(seq, front)
 
     def abort(self, rid: str, index: int = -1) -> None:
         """Stop a request (index -1) or one of its sequences now and free its blocks."""
@@ -184,7 +174,7 @@ class Scheduler:
             slots = n if spec is None else n + spec.lookahead(seq, n)
             grows = computed + slots > len(seq.block_ids) * bs
             while grows and not allocate(seq, slots):
-                victim = running.pop()
+                victim = running.pop(self.policy.victim(running, i))
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -197,7 +187,7 @@ class Scheduler:
                 i += 1
         budget = min(budget, self.prefill.fill(self.max_num_batched_tokens - budget, prefill))
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0] if self.remote is None else self.remote.next_waiting(self.waiting)
+            seq = self.waiting.head() if self.remote is None else self.remote.next_waiting(self.waiting)
             if seq.num_pending:
                 break  # its last token is still on the device
             if not seq.block_ids:
@@ -215,10 +205,7 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
-            if self.by_priority:
-                bisect.insort(self.running, seq, key=_rank)
-            else:
-                self.running.append(seq)
+            self.policy.place(self.running, seq)
             scheduled.append((seq, n))
             budget -= n
         return self._output(scheduled, preempted, drafts)
@@ -274,7 +261,9 @@ class Scheduler:
             sched = dataclasses.replace(sched, budgets=made)
         bs = self.bm.block_size
         now = self.now
-        for seq, new, m in zip(seqs, (sched.num_new if num_steps == 1 else made).tolist(), made.tolist()):
+        computing = (sched.num_new if num_steps == 1 else made).tolist()
+        self.policy.charge(seqs, computing)
+        for seq, new, m in zip(seqs, computing, made.tolist()):
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
             computed = seq.num_computed_tokens = seq.num_computed_tokens + new

@@ -38,8 +38,11 @@ class Sequence:
         seed: int,
         cache_salt: str | None = None,
         rank: tuple[int, float] = (0, 0.0),
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> None:
-        """`rank`: (priority, arrival time), the order of the priority scheduling policy."""
+        """`rank`: (priority, arrival time), the order of the priority scheduling policy; `tenant` and
+        its `weight`: the fair policy's share (serve.scheduling_policy)."""
         self.seq_id = next(_counter)
         self.request_id = request_id
         self.index = index
@@ -49,6 +52,8 @@ class Sequence:
         self.seed = seed
         self.cache_salt = cache_salt
         self.rank = (*rank, self.seq_id)
+        self.tenant = tenant
+        self.weight = weight
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

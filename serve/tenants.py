@@ -20,19 +20,24 @@ generate is handed back when it ends.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from serve.scheduling_policy import check_weight
+
 WINDOW_S = 60.0
+HOLD_S = 1.0  # a refusal that follows another of the same tenant within this long is answered this late
+MAX_HELD = 64  # refusals held at once per tenant; past it they are answered at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Tenant:
     priority: int = 0  # added to each request's priority (lower runs first) with --scheduling-policy priority
     prefix_cache_group: str | None = None  # default: the tenant's own name ("" = the server's shared cache)
     operator: bool = False  # sees every tenant's rows in /status (the --api-key is one); others see their own
+    weight: float = 1.0  # its share of the engine against other tenants with --scheduling-policy fair
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
@@ -56,6 +62,10 @@ class Tenant:
             raise ValueError(f"tenant {self.name!r}: operator must be true or false, got {self.operator!r}")
         if self.prefix_cache_group is not None and not isinstance(self.prefix_cache_group, str):
             raise ValueError(f"tenant {self.name!r}: prefix_cache_group must be a string")
+        try:
+            check_weight(self.weight)
+        except ValueError as e:
+            raise ValueError(f"tenant {self.name!r}: {e}") from None
 
     def cache_salt(self, request_salt: str | None) -> str | None:
         """The salt the engine hashes into the request's prefix-cache keys: the tenant's group and the
@@ -129,6 +139,8 @@ class _Usage:
     in_flight: int = 0  # sequences
     admitted: int = 0
     refused: int = 0
+    refused_at: tuple[float, float] = (-math.inf, -math.inf)  # the last two refusals' times
+    held: int = 0  # refusals being held (hold_refusal)
 
     def expire(self, now: float) -> None:
         while self.requests and self.requests[0] <= now - WINDOW_S:
@@ -164,8 +176,13 @@ class QuotaExceeded(Exception):
 class TenantQuotas:
     """Sliding one-minute windows of requests and tokens and the sequences in flight, per tenant."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.clock = clock
+        self.sleep = sleep
         self.usage: dict[str, _Usage] = {}
 
     def admit(self, tenant: Tenant, prompt_tokens: int, sequences: int = 1, max_new_tokens: int = 0) -> Admission:
@@ -211,6 +228,21 @@ class TenantQuotas:
             return e
         return None
 
+    async def hold_refusal(self, tenant: Tenant) -> None:
+        """Before a refusal is answered: a tenant refused again within HOLD_S waits HOLD_S for it (up to
+        MAX_HELD at once), as nginx's limit_req delays excess requests. A client flooding from a few
+        connections is slowed to a few calls a second, and its refusals stop taking the event loop and
+        the CPU that other tenants' streams need; a first refusal is answered at once."""
+        u = self.usage[tenant.name]
+        previous, last = u.refused_at
+        if last - previous >= HOLD_S or u.held >= MAX_HELD:
+            return
+        u.held += 1
+        try:
+            await self.sleep(HOLD_S)
+        finally:
+            u.held -= 1
+
     def _check(self, tenant: Tenant, u: _Usage, now: float, sequences: int, need: int) -> None:
         """QuotaExceeded (counted) if a call of `sequences` sequences reserving `need` tokens does not fit now."""
         try:
@@ -233,6 +265,7 @@ class TenantQuotas:
                 )
         except QuotaExceeded:
             u.refused += 1
+            u.refused_at = (u.refused_at[1], now)
             raise
 
     def _tokens_free_at(self, u: _Usage, allowed: int) -> float:

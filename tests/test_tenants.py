@@ -3,6 +3,7 @@ middleware's open routes and header forms, and the quota windows on a fake clock
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
@@ -12,6 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from serve import tenants
 from serve.auth import AuthMiddleware, KeyRing, key_digest
 from serve.tenants import QuotaExceeded, Tenant, TenantQuotas, load_keys_file
 
@@ -111,6 +113,43 @@ def test_quota_windows_and_retry_after():
     quotas.admit(tpm, 20)
     snap = quotas.snapshot()
     assert snap["b"]["refused"] == 2 and snap["b"]["admitted"] == 2 and snap["b"]["tokens_last_minute"] == 20
+
+
+def test_a_refusal_soon_after_another_is_held():
+    """The first refusal is answered at once; one within HOLD_S of the previous waits HOLD_S, up to
+    MAX_HELD at once (past it, at once again); a refusal after a quiet spell is answered at once."""
+    now = [0.0]
+    slept: list[float] = []
+    release = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await release.wait()
+
+    quotas = TenantQuotas(clock=lambda: now[0], sleep=sleep)
+    flood = Tenant("flood", requests_per_minute=1)
+    quotas.admit(flood, 1)
+
+    async def refuse() -> None:
+        assert quotas.refusal(flood) is not None
+        await quotas.hold_refusal(flood)
+
+    async def scenario() -> None:
+        await refuse()
+        assert slept == []
+        now[0] += tenants.HOLD_S / 2
+        held = [asyncio.create_task(refuse()) for _ in range(tenants.MAX_HELD)]
+        await asyncio.sleep(0)
+        assert slept == [tenants.HOLD_S] * tenants.MAX_HELD and quotas.usage["flood"].held == tenants.MAX_HELD
+        await refuse()  # past MAX_HELD: answered at once
+        release.set()
+        await asyncio.gather(*held)
+        assert quotas.usage["flood"].held == 0
+        now[0] += tenants.HOLD_S * 2
+        await refuse()
+        assert len(slept) == tenants.MAX_HELD
+
+    asyncio.run(scenario())
 
 
 def test_quotas_count_sequences_and_reserve_max_tokens():

@@ -133,14 +133,16 @@ class Generation:
         self.admission: Admission | None = None  # its tenant's quota accounting
 
     def engine_request_options(self) -> dict[str, Any]:
-        """cache_salt, priority and kv_transfer_params for the engine: the tenant's cache group salts
-        every request, and its priority adds to the request's under the priority policy."""
+        """cache_salt, priority, kv_transfer_params and the fair policy's tenant and weight for the
+        engine: the tenant's cache group salts every request, and its priority adds to the request's
+        under the priority policy."""
         req, tenant = self.req, self.tenant
         kv = {"kv_transfer_params": req.kv_transfer_params}
         if tenant is None:
             return {"cache_salt": req.cache_salt, "priority": req.priority, **kv}
         boost = tenant.priority if self.state.engine.args.scheduling_policy == "priority" else 0
-        return {"cache_salt": tenant.cache_salt(req.cache_salt), "priority": req.priority + boost, **kv}
+        share = {"tenant": tenant.name, "weight": tenant.weight}
+        return {"cache_salt": tenant.cache_salt(req.cache_salt), "priority": req.priority + boost, **kv, **share}
 
     async def start(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         streams: list[AsyncGenerator[RequestOutput, None]] = []

@@ -35,8 +35,9 @@ class RefuseWhileDraining:
 
 class RefuseOverQuota:
     """A generating call of a tenant that is over a quota any call would need (requests or tokens a
-    minute, sequences in flight) gets its 429 before its body is read or parsed: a flood of refused
-    calls costs the server little of the CPU the other tenants' streams need."""
+    minute, sequences in flight) gets its 429 before its body is read or parsed, and a repeated one
+    only after a hold (TenantQuotas.hold_refusal): a flood of refused calls costs the server little of
+    the CPU the other tenants' streams need."""
 
     paths = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
@@ -49,6 +50,7 @@ class RefuseOverQuota:
         if tenant is not None and scope["method"] == "POST" and _path(scope) in self.paths:
             refused = self.state.quotas.refusal(tenant)
             if refused is not None:
+                await self.state.quotas.hold_refusal(tenant)
                 await quota_response(refused)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -3,10 +3,9 @@ wait out of the queue while the worker pulls those tokens, then rejoin it at the
 
 from __future__ import annotations
 
-import collections
-
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.base import KVConnectorBase
+from serve.scheduling_policy import FcfsPolicy
 from serve.sequence import Sequence
 
 
@@ -18,20 +17,20 @@ class RemoteLoads:
         self.bm = bm
         self.loading: dict[int, Sequence] = {}
 
-    def next_waiting(self, waiting: collections.deque[Sequence]) -> Sequence:
+    def next_waiting(self, waiting: FcfsPolicy) -> Sequence:
         """The waiting sequence to admit next: the first that holds blocks (its remote KV loaded: at most
         one more block to run), else the head. A head short of blocks must not wait for those: a deadlock."""
-        return next((seq for seq in waiting if seq.block_ids), waiting[0])
+        return next((seq for seq in waiting if seq.block_ids), None) or waiting.head()
 
-    def start(self, seq: Sequence, waiting: collections.deque[Sequence]) -> bool:
-        """The head of `waiting`, if a remote engine computed its prompt: blocks for those tokens, out of
+    def start(self, seq: Sequence, waiting: FcfsPolicy) -> bool:
+        """The next of `waiting`, if a remote engine computed its prompt: blocks for those tokens, out of
         the queue while the worker loads them (this step); True if so."""
         external = self.connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens)
         if external == 0 or not self.bm.allocate_slots(seq, external):
             return False
         self.connector.update_state_after_alloc(seq, seq.block_ids, external)
         seq.num_computed_tokens += external
-        waiting.popleft()
+        waiting.remove(seq)
         self.loading[seq.seq_id] = seq
         return True
 

@@ -3,7 +3,7 @@ KV slots a proposer writes past a step (EAGLE), the rollback of rejected drafts,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -51,7 +51,7 @@ class SpecScheduling:
         return self.drafted or self.may_draft(num_running)
 
     def propose(
-        self, running: Seq[Sequence], waiting: Seq[Sequence], budget: Callable[[Sequence], int]
+        self, running: Seq[Sequence], waiting: Iterable[Sequence], budget: Callable[[Sequence], int]
     ) -> dict[int, list[int]]:
         """The proposer's drafts for running decodes (seq id -> tokens), when every sequence in the
         engine takes plain sampling and few enough run; `budget`: tokens a sequence may still make."""

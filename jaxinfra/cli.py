@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,24 +12,7 @@ from typing import Any
 from jaxinfra import plan_serve
 from jaxinfra.config import DTYPES
 from jaxinfra.loading import DEFAULT_MODEL
-
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '200MiB', '1024' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 5GB, 200MiB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError
+from jaxinfra.sizes import human_size, parse_size
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -126,7 +108,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     quantize_model(model, tokenizer, cfg)
     out = _export(model, args, args.format)
     size = sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))
-    print(f"wrote {out} ({cfg.method}, {cfg.bits}-bit, {args.format}; {_human(size)} of safetensors)")
+    print(f"wrote {out} ({cfg.method}, {cfg.bits}-bit, {args.format}; {human_size(size)} of safetensors)")
     return 0
 
 
@@ -142,10 +124,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     n = cfg.num_params
     method = checkpoint_quantization(Path(args.model)) if Path(args.model).is_dir() else None
     if method is None:
-        weights = (f"weight bytes ({dtype})", f"{n * width:,} ({_human(n * width)})")
+        weights = (f"weight bytes ({dtype})", f"{n * width:,} ({human_size(n * width)})")
     else:  # what the quantized checkpoint really holds (packed weights, scales, zero points, dense rest)
         size = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
-        weights = (f"weight bytes ({method})", f"{size:,} ({_human(size)}, on disk)")
+        weights = (f"weight bytes ({method})", f"{size:,} ({human_size(size)}, on disk)")
     rows = [
         ("model", str(args.model)),
         (

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxinfra.config import ModelConfig
+from jaxinfra.sizes import parse_size
 from jaxinfra.workload import Workload
 
 if TYPE_CHECKING:
@@ -296,7 +297,6 @@ def _pair(text: str) -> tuple[int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`jaxinfra plan-serve`'s flags: the device and the workload, and every engine flag of `jaxinfra
     serve` (generated from EngineArgs, same names and defaults), so a serve command line plans as is."""
-    from jaxinfra.cli import parse_size
     from serve.http.cli_args import add_engine_flags
 
     parser.add_argument("--config", help="engine arguments from a YAML file (configs/serve/*.yaml)")

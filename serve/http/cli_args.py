@@ -17,6 +17,7 @@ import typing
 
 import yaml
 
+from jaxinfra.sizes import parse_size
 from jaxinfra.yaml_config import load_config
 from serve.async_engine import DEFAULT_RESTART_ATTEMPTS
 from serve.autoscale_args import add_autoscale_args
@@ -52,8 +53,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs field (vLLM's names); unset flags are absent from the namespace."""
-    from jaxinfra.cli import parse_size
-
     group = p.add_argument_group("engine arguments (EngineArgs; default: --config, then these defaults)")
     hints, docs = typing.get_type_hints(EngineArgs), field_docs(EngineArgs)
     for f in dataclasses.fields(EngineArgs):

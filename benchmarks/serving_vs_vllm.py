@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,7 +54,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server(cmd: list[str], port: int, env: dict[str, str], log: Path, timeout: float = 1200):
-    """Start a server, wait until /health answers 200, stop it afterwards."""
+    """Start a server, wait until /health answers 200, stop it afterwards: on normal exit, on an exception,
+    and on SIGTERM or SIGINT of this process (either raises here, so the `finally` stops the server's
+    whole process group instead of leaving it orphaned)."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -76,6 +80,11 @@ def server(cmd: list[str], port: int, env: dict[str, str], log: Path, timeout: f
                 proc.wait(30)
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def bench(vllm_python: str, script: Path, url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:

@@ -97,7 +97,7 @@ class CoreProcess:
         self._heartbeat, beat_w = os.pipe()
         os.set_blocking(self._heartbeat, False)
         self.last_beat: float | None = None  # monotonic time of the last heartbeat heard
-        launch = CoreLaunch(args, list(eos_token_ids), warmup, self.input_addr, out_w, ready_w, beat_w)
+        launch = CoreLaunch(args, list(eos_token_ids), warmup, self.input_addr, out_w, ready_w, beat_w, os.getpid())
         env = {**ALLOCATOR_ENV, **core_process_env(args), **xla_pool_env(args), **os.environ}  # the caller's win
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from serve.core_proc import main; main()"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -38,6 +39,7 @@ from serve.engine_core import EngineCore
 from serve.grammar_queue import GrammarQueue
 from serve.loop_stream import LoopTokenStream
 from serve.output_pipe import write_frame
+from serve.pids import exit_with_parent
 
 # glibc malloc settings for the core: XLA's CPU buffers are freed and allocated again every step;
 # served from one arena that is never trimmed, they stop costing page faults (2-3x on CPU steps).
@@ -47,7 +49,7 @@ ALLOCATOR_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(2**36),
     "MALLOC_TOP_PAD_": str(2**26),
 }
-PARENT_CHECK_MS = 1000
+IDLE_WAKE_MS = 1000  # an idle core wakes this often to poll KV transfers
 GRAMMAR_POLL_S = 0.01  # how long an otherwise idle core waits on compiling grammars between input checks
 HEARTBEAT_INTERVAL_S = 0.2
 # How long the step loop may hold the GIL while the decode loop's tap waits for it (Python's 5 ms
@@ -145,7 +147,6 @@ def run_engine_core(launch: CoreLaunch) -> None:
     """Build the core, report readiness on launch.ready_fd, then serve the sockets until terminated.
     Every message leaves through one sender thread (serve.loop_stream), which also streams the decode
     loops' tokens as they are made."""
-    parent = os.getppid()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     encoder = msgspec.msgpack.Encoder()
@@ -205,14 +206,12 @@ def run_engine_core(launch: CoreLaunch) -> None:
             if idle and grammars:
                 grammars.wait(GRAMMAR_POLL_S)
             elif idle:
-                woke = inp.poll(PARENT_CHECK_MS)
+                woke = inp.poll(IDLE_WAKE_MS)
                 # Offers pulled or expired: the frontend's /metrics learns it. Polled on every idle wake, so
-                # a client calling more often than PARENT_CHECK_MS does not starve it.
+                # a client calling more often than IDLE_WAKE_MS does not starve it.
                 if core.poll_kv_transfers():
                     stream.send(EngineCoreOutputs(stats=core.stats()))
                 if not woke:
-                    if os.getppid() != parent:
-                        return  # orphaned: the frontend is gone
                     continue
             reply = EngineCoreOutputs(rejected=grammars.admit())
             arrived = False
@@ -238,9 +237,15 @@ def run_engine_core(launch: CoreLaunch) -> None:
         ctx.term()
 
 
+def remove_socket_dir(input_addr: str) -> None:
+    """The frontend's socket folder (it removes it itself unless it was killed)."""
+    shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)
+
+
 def main() -> None:
     """`python -c "from serve.core_proc import main; main()"` with a msgpack CoreLaunch on stdin."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreLaunch)
+    exit_with_parent(launch.parent_pid, lambda: remove_socket_dir(launch.input_addr))  # also during load and warm-up
     start_heartbeat(launch.heartbeat_fd)
     run_engine_core(launch)

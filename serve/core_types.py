@@ -87,6 +87,7 @@ class CoreLaunch(msgspec.Struct, array_like=True):
     output_fd: int  # the output pipe's write end (serve.output_pipe)
     ready_fd: int  # where it writes EngineCoreReady (or StartupError) once
     heartbeat_fd: int  # where a thread of its own writes a byte every HEARTBEAT_INTERVAL_S while it runs
+    parent_pid: int  # the frontend: the core exits when it is no longer its parent (it may die before we read this)
 
 
 class StartupError(msgspec.Struct, array_like=True, tag=True):

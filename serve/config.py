@@ -13,7 +13,7 @@ from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
-from serve.kv_transfer.config import KVTransferConfig
+from serve.kv_transfer.config import KV_ROLES, KVTransferConfig
 from serve.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", *MODEL_DTYPES)
@@ -206,3 +206,11 @@ class EngineArgs:
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineArgs:
         """Engine arguments from configs/serve/*.yaml, `overrides` winning."""
         return load_config(cls, path, overrides, kind="engine argument")
+
+
+def with_role(args: EngineArgs, role: str) -> EngineArgs:
+    """The engine arguments of `jaxinfra serve --role`: prefill/decode turn the connector on (a given
+    kv_transfer_config keeps its other keys), both leaves them as given."""
+    if role == "both":
+        return args
+    return dataclasses.replace(args, kv_transfer_config={**(args.kv_transfer_config or {}), "kv_role": KV_ROLES[role]})

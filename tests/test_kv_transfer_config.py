@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve.config import EngineArgs
+from serve.config import EngineArgs, with_role
 from serve.http.cli_args import build_parser, engine_args_from, name_flag
-from serve.kv_transfer.config import with_role
 from serve.kv_transfer.shm_connector import SharedMemoryConnector
 
 

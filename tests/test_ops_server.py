@@ -97,7 +97,7 @@ def test_status_reports_load_tenants_and_memory(server):
     assert s["model"] == MODEL_NAME and s["healthy"] and not s["draining"]
     assert s["total_generation_tokens"] > 0 and s["ttft_s"]["p50"] > 0
     assert s["engine_args"]["max_num_seqs"] == 8
-    assert s["tenants"]["small"]["limits"] == {"tokens_per_minute": 60, "priority": 0}
+    assert s["tenants"]["small"]["limits"] == {"tokens_per_minute": 60, "priority": 0, "weight": 1.0}
     assert s["tenants"]["other"]["admitted"] >= 1 and s["tenants"]["other"]["in_flight"] == 0
     device = s["memory"]["devices"][0]
     assert device["weights"] > 0 and device["kv_pool"] > 0 and s["memory"]["process_rss"] > device["weights"]

@@ -4,7 +4,8 @@
     errors.py                OpenAI error JSON for every failure
     middleware.py            HTTP middleware (MIDDLEWARE; API keys: serve/auth.py)
     body_limit.py            --max-request-body-bytes (413 before parsing)
-    drain.py                 graceful shutdown on SIGTERM
+    drain.py                 graceful shutdown on SIGTERM: whether draining, and until when
+    draining_server.py       uvicorn whose first SIGTERM drains instead of closing
     state.py                 what the endpoints share (engine, metrics, admission count)
     generation.py            one generating call: its engine requests, choices, prompt-length check
     serving_base.py          the serving classes' base: model check, admission, timeout, SSE, envelope

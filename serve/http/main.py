@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from serve.async_engine import AsyncEngine
 from serve.autoscale_args import pool_config_from
+from serve.config import with_role
 from serve.http.app import build_app
 from serve.http.cli_args import build_parser, engine_args_from, name_flag
-from serve.http.drain import serve_draining
-from serve.kv_transfer.config import with_role
+from serve.http.draining_server import serve_draining
 from serve.metrics import ServerMetrics
 from serve.tenants import load_keys_file
 from serve.tool_parsers import ToolConfig

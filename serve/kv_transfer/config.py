@@ -1,4 +1,4 @@
-"""EngineArgs.kv_transfer_config (vLLM's --kv-transfer-config JSON) and what `--role` sets it to.
+"""EngineArgs.kv_transfer_config (vLLM's --kv-transfer-config JSON) and the kv_role each `--role` means.
 
 `jaxinfra serve --role prefill` is kv_role "kv_producer" and `--role decode` "kv_consumer", both
 over the shared-memory connector; the connector serves either direction per request (by its
@@ -8,12 +8,9 @@ kv_transfer_params), so the role names the engine's job for metrics and logs.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from serve.kv_transfer.base import KVConnectorBase
-
-if TYPE_CHECKING:
-    from serve.config import EngineArgs
 
 CONNECTORS = ("SharedMemoryConnector",)
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -48,11 +45,3 @@ class KVTransferConfig:
         from serve.kv_transfer.shm_connector import SharedMemoryConnector
 
         return SharedMemoryConnector(block_size, self.offer_timeout_s, self.kv_role)
-
-
-def with_role(args: EngineArgs, role: str) -> EngineArgs:
-    """The engine arguments of `jaxinfra serve --role`: prefill/decode turn the connector on (a given
-    kv_transfer_config keeps its other keys), both leaves them as given."""
-    if role == "both":
-        return args
-    return dataclasses.replace(args, kv_transfer_config={**(args.kv_transfer_config or {}), "kv_role": KV_ROLES[role]})

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from serve.outputs import CompletionOutput, RequestOutput
 from serve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -159,13 +159,14 @@ def step_params(search: BeamSearch) -> SamplingParams:
 
 
 async def beam_search_async(
-    engine: AsyncEngine, request_id: str, prompt: list[int], params: BeamSearchParams, cache_salt: str | None = None
+    engine: AsyncEngine, request_id: str, prompt: list[int], params: BeamSearchParams, **options: Any
 ) -> BeamSearchOutput:
     """One prompt's beam search over the server's engine: each step's beams run as concurrent requests
-    (salted with `cache_salt`); cancelling it aborts them at once."""
+    carrying the call's engine `options` (cache salt, priority, tenant and weight); cancelling it
+    aborts them at once."""
 
     async def last(rid: str, tokens: list[int], p: SamplingParams) -> RequestOutput:
-        async with contextlib.aclosing(await engine.add_request(rid, tokens, p, cache_salt=cache_salt)) as stream:
+        async with contextlib.aclosing(await engine.add_request(rid, tokens, p, **options)) as stream:
             outs = [out async for out in stream]
         return outs[-1]
 

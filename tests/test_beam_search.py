@@ -2,13 +2,16 @@
 random checkpoints: the same hypotheses, in the same order, with the same scores, under several
 length penalties and each early-stopping rule (EOS is made likely so hypotheses do end early)."""
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 
 import jaxinfra
 from serve import LLM, SamplingParams
-from serve.beam_search import BeamSearchParams
+from serve.beam_search import BeamSearchParams, beam_search_async
+from serve.outputs import CompletionOutput, RequestOutput
 from tests.hf_oracle import make_hf_model, save_hf_model
 
 EOS = 2
@@ -81,3 +84,34 @@ def test_beam_search_equals_transformers(tmp_path, family, seed):
     best = llm.generate(prompts[0], SamplingParams(use_beam_search=True, n=2, best_of=BEAMS, max_tokens=MAX_NEW))[0]
     expected = hf_beams(model, prompts[0], 1.0, False)
     assert [o.token_ids for o in best.outputs] == [t for t, _ in expected[:2]]
+
+
+class RecordingEngine:
+    """An engine stand-in that answers every one-token beam step with two fixed candidates and
+    records the options each step request carries."""
+
+    def __init__(self) -> None:
+        self.core = type("Core", (), {"info": type("Info", (), {"eos_token_ids": [EOS]})()})()
+        self.tokenizer = None
+        self.options: list[dict] = []
+
+    async def add_request(self, rid, tokens, params, **options):
+        self.options.append(options)
+
+        async def stream():
+            out = CompletionOutput(0, "", [5], -0.1, [{5: -0.1, 6: -0.2}], "length")
+            yield RequestOutput(rid, None, tokens, None, [out], True)
+
+        return stream()
+
+
+def test_every_beam_step_carries_the_calls_tenant_weight_salt_and_priority():
+    """The fair policy can only share the engine between tenants if a beam search's step requests say
+    whose they are: each one carries the call's options."""
+    engine = RecordingEngine()
+    options = {"cache_salt": "tenant:a", "priority": 3, "tenant": "a", "weight": 2.5}
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    out = asyncio.run(beam_search_async(engine, "r", [1, 2], params, **options))
+    assert len(out.sequences) == 2
+    assert len(engine.options) >= 3
+    assert all(o == options for o in engine.options)

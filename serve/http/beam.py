@@ -17,9 +17,9 @@ async def beam_search_answer(state: ServerState, gen: Generation) -> None:
     p = gen.params[0]
     params = BeamSearchParams.from_sampling_params(p)
     options = gen.engine_request_options()
+    options.pop("kv_transfer_params")  # a beam's one-token steps never hand their KV to a decode engine
     searches = [
-        beam_search_async(state.engine, rid, prompt, params, cache_salt=options["cache_salt"])
-        for rid, prompt in zip(gen.ids, gen.prompts)
+        beam_search_async(state.engine, rid, prompt, params, **options) for rid, prompt in zip(gen.ids, gen.prompts)
     ]
     outs = await asyncio.gather(*searches)
     for i, (rid, out) in enumerate(zip(gen.ids, outs)):

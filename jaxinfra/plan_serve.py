@@ -118,6 +118,7 @@ class ServePlan:
     device_bytes: int | None
     allocator_limit: int | None  # XLA's bytes_limit
     usable_bytes: int | None  # what the engine may use: gpu_memory_utilization of the device, within the limit
+    xla_scratch_bytes: int | None  # of usable_bytes, kept free for XLA's workspaces and autotuning
     weight_bytes_total: int
     weight_bytes_per_device: int
     workspace_bytes: int  # estimate for one step of max_num_batched_tokens
@@ -141,7 +142,14 @@ def plan(
     """The plan for engine arguments `args` on `device`; `weights`: the bytes of a quantized checkpoint
     (default: the model's weights as `args.quantization` leaves them)."""
     from jaxinfra.loading import load_config
-    from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, step_workspace_bytes
+    from serve.kv_budget import (
+        XLA_SCRATCH_SHARE,
+        DeviceMemory,
+        engine_max_model_len,
+        kv_cache_blocks,
+        step_token_budget,
+        step_workspace_bytes,
+    )
     from serve.runner.sizing import kv_block_bytes
 
     tp = args.tensor_parallel_size
@@ -157,10 +165,11 @@ def plan(
         weights += eagle_head_bytes(draft) if spec.method == "eagle" else weight_bytes(draft)
     utilization = args.gpu_memory_utilization
     limit = device.allocator_limit(utilization)
-    usable = None if limit is None or device.total is None else min(limit, int(device.total * utilization))
+    memory = None if limit is None or device.total is None else DeviceMemory(device.total, limit)
+    usable = None if memory is None else min(memory.limit, int(memory.total * utilization))
     step_tokens = step_token_budget(args, engine_max_model_len(cfg, args))
     workspace = step_workspace_bytes(cfg, step_tokens, args.max_num_seqs, tp)
-    num_blocks = kv_cache_blocks(cfg, args, step_tokens, usable, weights, draft)
+    num_blocks = kv_cache_blocks(cfg, args, step_tokens, memory, weights, draft)
     notes = []
     if num_blocks < 1:
         where = (
@@ -196,6 +205,7 @@ def plan(
         device_bytes=device.total,
         allocator_limit=limit,
         usable_bytes=usable,
+        xla_scratch_bytes=None if usable is None else int(usable * XLA_SCRATCH_SHARE),
         weight_bytes_total=weights,
         weight_bytes_per_device=weights // tp,
         workspace_bytes=workspace,
@@ -255,6 +265,7 @@ def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload)
             "step workspace (estimate)",
             f"{_gib(p.workspace_bytes)} per device (one step of max_num_batched_tokens)",
         ),
+        ("XLA scratch margin", f"{_gib(p.xla_scratch_bytes)} per device (XLA's workspaces and autotuning)"),
         ("KV bytes per token", f"{p.kv_bytes_per_token:,} B (all layers, K and V)"),
         (
             "KV blocks",

@@ -32,16 +32,19 @@ def _bytes_by_device(tree: Any) -> dict[str, int]:
 
 
 def memory_breakdown(weights: Any, kv_cache: Any) -> dict[str, Any]:
-    """{"devices": [{device, weights, kv_pool, in_use, other}], "process_rss": bytes}; `in_use` and
-    `other` are None on devices without memory_stats (CPU): there the process RSS minus the arrays
-    is the rest."""
+    """{"devices": [{device, weights, kv_pool, in_use, peak_in_use, other}], "process_rss": bytes}:
+    `peak_in_use` (the allocator's high-water mark, steps' activations included) checks the plan
+    of serve.kv_budget on the device. `in_use`, `peak_in_use` and `other` are None on devices
+    without memory_stats (CPU): there the process RSS minus the arrays is the rest."""
     w, kv = _bytes_by_device(weights), _bytes_by_device(kv_cache)
     devices = []
     for device in jax.local_devices():
         key = str(device)
         stats = device.memory_stats() if device.platform != "cpu" else None
         in_use = int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+        peak = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
         entry: dict[str, Any] = {"device": key, "weights": w.get(key, 0), "kv_pool": kv.get(key, 0), "in_use": in_use}
+        entry["peak_in_use"] = peak
         entry["other"] = None if in_use is None else max(in_use - entry["weights"] - entry["kv_pool"], 0)
         devices.append(entry)
     rss = process_rss_bytes()

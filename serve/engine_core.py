@@ -24,7 +24,7 @@ from serve.config import EngineArgs
 from serve.core_types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from serve.device_memory import memory_breakdown
 from serve.expert_load import ExpertLoad
-from serve.kv_budget import engine_max_model_len, kv_cache_blocks, step_token_budget, usable_bytes, xla_mem_fraction
+from serve.kv_budget import DeviceMemory, engine_max_model_len, kv_cache_blocks, step_token_budget, xla_mem_fraction
 from serve.kv_cache import BlockManager
 from serve.kv_transfer.worker import KVTransferWorker
 from serve.loop_stream import LoopTokenStream, streams_in_loop
@@ -171,9 +171,8 @@ class EngineCore:
         too, all on the first device until the runner shards them); their pool shares the budget."""
         device = jax.devices()[0]
         if device.platform == "gpu" and args.kv_cache_memory is None:
-            stats = device.memory_stats()
-            usable = usable_bytes(stats["bytes_limit"], args.gpu_memory_utilization, xla_mem_fraction())
-            return kv_cache_blocks(model.cfg, args, step_tokens, usable, stats["bytes_in_use"], draft_cfg)
+            memory = DeviceMemory.from_stats(device.memory_stats(), xla_mem_fraction())
+            return kv_cache_blocks(model.cfg, args, step_tokens, memory, memory.in_use, draft_cfg)
         return kv_cache_blocks(model.cfg, args, step_tokens, draft=draft_cfg)
 
     # --- requests ---------------------------------------------------------------------------------

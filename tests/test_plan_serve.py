@@ -69,7 +69,8 @@ def hand_plan(kv_dtype: str, tp: int) -> dict[str, int]:
     per_token = 2 * 32 * 8 * 128 * (2 if kv_dtype == "auto" else 1) + (2 * 32 * 8 * 4 if kv_dtype == "int8" else 0)
     # one step of 2048 tokens: residual + norm, q/k/v/o and gate/up/product (split over TP), f32 logits and probs
     workspace = 2048 * (2 * 4096 + (80 * 128 + 3 * 14336) // tp) * 2 + 2 * 256 * 128256 * 4
-    blocks = (usable - weights // tp - workspace) // (per_token // tp * 16)  # each device: 1/TP of the heads
+    scratch = int(usable * 0.04)  # left free for XLA's workspaces and autotuning
+    blocks = (usable - weights // tp - workspace - scratch) // (per_token // tp * 16)  # each device: 1/TP of the heads
     return {
         "weight_bytes_per_device": weights // tp,
         "kv_bytes_per_token": per_token,

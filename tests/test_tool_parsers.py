@@ -129,6 +129,19 @@ def test_forced_shapes():
     check(RequiredToolParser(), text, None, [("a", {"x": "]"}), ("b", {})])
 
 
+def test_a_required_list_cut_by_max_tokens_keeps_its_complete_calls_whole_as_streamed():
+    """tool_choice "required" cut short: the plain answer holds the calls the stream completed (it used
+    to give the raw text as content and no calls)."""
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}, {"name": "a", "param'
+    whole = RequiredToolParser().extract(text)
+    assert whole.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [("a", {"x": 1}), ("b", {})]
+    stream = ToolCallStream(RequiredToolParser())
+    _, streamed = collect([stream.feed(ch) for ch in text] + [stream.feed("", final=True)])
+    assert streamed[: len(whole.tool_calls)] == [(c.name, c.arguments) for c in whole.tool_calls]
+    assert RequiredToolParser().extract('[{"name": "a", "par').content == '[{"name": "a", "par'
+
+
 def test_required_schema_lists_every_function():
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
     schema = required_schema(tools)

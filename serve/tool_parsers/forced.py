@@ -3,9 +3,10 @@ output is the function's arguments object) and `"required"` (a JSON list of {"na
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from serve.tool_parsers.base import PartialCall, Snapshot, ToolParser, scan_call_list
+from serve.tool_parsers.base import ParsedOutput, PartialCall, Snapshot, ToolCall, ToolParser, scan_call_list
 from serve.tool_parsers.json_scan import skip_space
 
 
@@ -31,6 +32,20 @@ class RequiredToolParser(ToolParser):
         if i < len(text) and text[i] == "[":
             return Snapshot("", scan_call_list(text, i + 1, ",")[0])
         return Snapshot("", [])
+
+    def extract(self, text: str) -> ParsedOutput:
+        """Every complete call, as the stream sends them: a list cut short by max_tokens keeps the calls
+        written before the cut (the text is the content only when no call is complete)."""
+        calls = []
+        for c in self.snapshot(text, final=True).calls:
+            if c.name is None or not c.complete:
+                break
+            try:
+                json.loads(c.arguments or "{}")
+            except ValueError:
+                break
+            calls.append(ToolCall(c.name, c.arguments or "{}"))
+        return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
 
 
 def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:

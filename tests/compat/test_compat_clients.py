@@ -194,3 +194,54 @@ def test_lm_eval_local_completions_loglikelihood(server, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(next(Path(out).rglob("results*.json")).read_text())["results"]["kjv_mc"]
     assert 0.0 <= results["acc,none"] <= 1.0 and 0.0 <= results["acc_norm,none"] <= 1.0
+
+
+VERSE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "find_verse",
+        "description": "Find a verse",
+        "parameters": {
+            "type": "object",
+            "properties": {"chapter": {"type": "integer", "minimum": 1, "maximum": 150}},
+            "required": ["chapter"],
+        },
+    },
+}
+
+
+def test_required_tool_calls_cut_by_max_tokens_are_the_same_plain_and_streamed(client, server):
+    """The embedded model loops at temperature 0, so a "required" list of calls runs to max_tokens: the
+    plain answer carries every complete call, as the stream does (it used to carry the raw JSON as
+    content and no calls); LangChain's tool_choice="any" (sent as "required") gets them too."""
+    ask = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": "Find verses"}],
+        tools=[VERSE_TOOL],
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    )
+    plain = client.chat.completions.create(**ask).choices[0]
+    streamed: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            streamed.setdefault(d.index, [d.function.name or "", ""])[1] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert plain.finish_reason == finish == "length"
+    calls = [(c.function.name, c.function.arguments) for c in plain.message.tool_calls or []]
+    complete = []
+    for name, arguments in streamed.values():
+        try:
+            complete.append((name, json.dumps(json.loads(arguments))))
+        except ValueError:
+            break
+    assert len(calls) >= 1 and plain.message.content is None
+    assert [(n, json.dumps(json.loads(a))) for n, a in calls] == complete
+
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{server}/v1", api_key="none", model=NAME, max_tokens=60, temperature=0)
+    message = llm.bind_tools([VERSE_TOOL], tool_choice="any").invoke("Find verses")
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [(n, json.loads(a)) for n, a in complete]

@@ -61,13 +61,23 @@ class BeamSearchParams:
 
 @dataclasses.dataclass
 class BeamSearchSequence:
-    """One hypothesis: its generated tokens, summed logprob and length-penalized score."""
+    """One hypothesis: its generated tokens, summed logprob and length-penalized score, and per token
+    the step's top candidates' logprobs (the chosen token among them)."""
 
     tokens: list[int]
     cum_logprob: float
     score: float = 0.0
     finished: bool = False  # ended with an EOS id (else it reached max_tokens)
     text: str | None = None
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+
+    def top_logprobs(self, k: int) -> list[dict[int, float]]:
+        """Per token, its logprob and the `k` most likely tokens' (what `logprobs: k` asks for)."""
+        out = []
+        for token, top in zip(self.tokens, self.logprobs):
+            best = dict(sorted(top.items(), key=lambda kv: -kv[1])[:k])
+            out.append({token: top[token], **best})
+        return out
 
 
 @dataclasses.dataclass
@@ -77,15 +87,25 @@ class BeamSearchOutput:
     prompt_token_ids: list[int]
     sequences: list[BeamSearchSequence]
 
-    def to_request_output(self, request_id: str, prompt: str | None, n: int) -> RequestOutput:
-        """The `n` best hypotheses as a finished RequestOutput (what a `use_beam_search` request answers)."""
+    def to_request_output(
+        self, request_id: str, prompt: str | None, n: int, logprobs: int | None = None
+    ) -> RequestOutput:
+        """The `n` best hypotheses as a finished RequestOutput (what a `use_beam_search` request answers),
+        each token with its `logprobs` top alternatives when asked."""
         return RequestOutput(
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=None,
             outputs=[
-                CompletionOutput(i, s.text or "", s.tokens, s.cum_logprob, None, "stop" if s.finished else "length")
+                CompletionOutput(
+                    i,
+                    s.text or "",
+                    s.tokens,
+                    s.cum_logprob,
+                    None if logprobs is None else s.top_logprobs(logprobs),
+                    "stop" if s.finished else "length",
+                )
                 for i, s in enumerate(self.sequences[:n])
             ],
             finished=True,
@@ -119,7 +139,7 @@ class BeamSearch:
         p = self.params
         candidates = sorted(
             (
-                BeamSearchSequence([*beam.tokens, token], beam.cum_logprob + lp)
+                BeamSearchSequence([*beam.tokens, token], beam.cum_logprob + lp, logprobs=[*beam.logprobs, top])
                 for beam, top in zip(self.running, logprobs)
                 for token, lp in top.items()
             ),

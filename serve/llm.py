@@ -80,7 +80,9 @@ class LLM:
     def _beam_request(self, prompt: Prompt, p: SamplingParams) -> RequestOutput:
         """A `use_beam_search` request answered as a RequestOutput with its `n` best beams."""
         out = self.beam_search(prompt, BeamSearchParams.from_sampling_params(p))[0]
-        return out.to_request_output(f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, p.n)
+        return out.to_request_output(
+            f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, p.n, p.logprobs
+        )
 
     def chat(
         self,

@@ -115,3 +115,5 @@ def test_every_beam_step_carries_the_calls_tenant_weight_salt_and_priority():
     assert len(out.sequences) == 2
     assert len(engine.options) >= 3
     assert all(o == options for o in engine.options)
+    best = out.to_request_output("r", None, 1, logprobs=1).outputs[0]
+    assert best.logprobs == [{5: -0.1}] * 3 and best.cumulative_logprob == pytest.approx(-0.3)

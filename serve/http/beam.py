@@ -23,4 +23,4 @@ async def beam_search_answer(state: ServerState, gen: Generation) -> None:
     ]
     outs = await asyncio.gather(*searches)
     for i, (rid, out) in enumerate(zip(gen.ids, outs)):
-        gen.record(i, out.to_request_output(rid, None, p.n))
+        gen.record(i, out.to_request_output(rid, None, p.n, p.logprobs))

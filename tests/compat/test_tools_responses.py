@@ -297,14 +297,20 @@ def test_beam_search_over_http_equals_the_offline_api(served, client):
         n=2,
         max_tokens=6,
         temperature=0,
+        logprobs=2,
         extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "return_token_ids": True},
     )
     llm = LLM(
         PRESET, max_model_len=64, block_size=8, max_num_seqs=8, num_gpu_blocks_override=64, compilation_cache_dir=""
     )
     offline = llm.generate(
-        prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=6, length_penalty=0.5)
+        prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=6, length_penalty=0.5, logprobs=2)
     )[0]
     assert [c.model_extra["token_ids"] for c in r.choices] == [o.token_ids for o in offline.outputs]
+    for c, o in zip(r.choices, offline.outputs):  # each beam carries its tokens' logprobs (they were empty)
+        assert len(c.logprobs.tokens) == len(o.token_ids) == len(c.logprobs.token_logprobs) == 6
+        assert c.logprobs.token_logprobs == pytest.approx([lp[t] for lp, t in zip(o.logprobs, o.token_ids)])
+        assert sum(c.logprobs.token_logprobs) == pytest.approx(o.cumulative_logprob, abs=1e-4)
+        assert all(len(lp) >= 2 for lp in o.logprobs) and all(c.logprobs.top_logprobs)  # (text keys may merge)
     with pytest.raises(openai.BadRequestError, match="not streamed"):
         client.completions.create(model=MODEL_NAME, prompt="x", stream=True, extra_body={"use_beam_search": True})

@@ -150,7 +150,10 @@ class ResponseGeneration(ChatGeneration):
         u = self.usage()
         return {
             "input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": sum(out.num_cached_tokens for out in self.final.values()),
+                "cache_write_tokens": 0,  # the prefix cache keeps blocks as a side effect, never by request
+            },
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u["total_tokens"],
@@ -181,9 +184,10 @@ class ResponseGeneration(ChatGeneration):
         }
 
 
-def message_item(item_id: str, text: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}]
-    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant", "content": content}
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The assistant's message; an output cut by max_output_tokens leaves it "incomplete", as its response."""
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def call_item(call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -243,12 +247,12 @@ class ServingResponses(GenerationServing):
         )
         return await self.respond(request, gen)
 
-    def _output(self, gen: ResponseGeneration, text: str) -> list[dict[str, Any]]:
+    def _output(self, gen: ResponseGeneration, text: str, status: str) -> list[dict[str, Any]]:
         message = gen.message(text)
         calls = message.get("tool_calls", [])
         items = [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
         if message.get("content") or not calls:
-            items.insert(0, message_item(f"msg_{gen.response_id[5:]}", message.get("content") or ""))
+            items.insert(0, message_item(f"msg_{gen.response_id[5:]}", message.get("content") or "", status))
         return items
 
     def _keep(self, gen: ResponseGeneration, body: dict[str, Any]) -> None:
@@ -270,7 +274,7 @@ class ServingResponses(GenerationServing):
         assert isinstance(gen, ResponseGeneration)
         o = gen.final[0].outputs[0]
         status = "incomplete" if o.finish_reason == "length" else "completed"
-        body = gen.body(status, self._output(gen, o.text), o.finish_reason)
+        body = gen.body(status, self._output(gen, o.text, status), o.finish_reason)
         self._keep(gen, body)
         return body
 
@@ -287,7 +291,7 @@ class ServingResponses(GenerationServing):
                 gen.message_id = f"msg_{gen.response_id[5:]}"
                 item = {**message_item(gen.message_id, ""), "status": "in_progress", "content": []}
                 yield gen.event("response.output_item.added", output_index=0, item=item)
-                part = {"type": "output_text", "text": "", "annotations": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 yield gen.event(
                     "response.content_part.added", item_id=gen.message_id, output_index=0, content_index=0, part=part
                 )
@@ -298,6 +302,7 @@ class ServingResponses(GenerationServing):
                 output_index=0,
                 content_index=0,
                 delta=delta["content"],
+                logprobs=[],
             )
         for t in delta.get("tool_calls", []):
             index = t["index"] + (gen.message_id is not None)
@@ -319,15 +324,21 @@ class ServingResponses(GenerationServing):
                 )
         if not o.finished():
             return
+        status = "incomplete" if o.finish_reason == "length" else "completed"
         output = [{**c, "status": "completed"} for c in gen.calls.values()]
         if gen.message_id or not output:
-            output.insert(0, message_item(gen.message_id or f"msg_{gen.response_id[5:]}", gen.text))
-        body = gen.body("incomplete" if o.finish_reason == "length" else "completed", output, o.finish_reason)
+            output.insert(0, message_item(gen.message_id or f"msg_{gen.response_id[5:]}", gen.text, status))
+        body = gen.body(status, output, o.finish_reason)
         self._keep(gen, body)
         for index, item in enumerate(body["output"]):
             if item["type"] == "message":
                 yield gen.event(
-                    "response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=gen.text
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=gen.text,
+                    logprobs=[],
                 )
                 yield gen.event(
                     "response.content_part.done",
@@ -341,6 +352,7 @@ class ServingResponses(GenerationServing):
                     "response.function_call_arguments.done",
                     item_id=item["id"],
                     output_index=index,
+                    name=item["name"],
                     arguments=item["arguments"],
                 )
             yield gen.event("response.output_item.done", output_index=index, item=item)

@@ -9,9 +9,11 @@ import contextlib
 import json
 import re
 import shutil
+import typing
 from pathlib import Path
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -245,6 +247,50 @@ def test_responses_stream_matches_the_whole_answer(client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def _raw_responses(url: str, body: dict) -> tuple[dict, list[dict]]:
+    """The plain body and the streamed events of one Responses call, as the server wrote them."""
+    plain = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+    assert plain.status_code == 200, plain.text
+    with httpx.stream("POST", f"{url}/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    return plain.json(), events
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"input": "In the beginning", "max_output_tokens": 8},  # cut short: incomplete
+        {"input": "In the beginning", "max_output_tokens": 60, "text": {"format": {"type": "json_object"}}},
+        {
+            "input": "Weather?",
+            "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMS}],
+            "tool_choice": "required",
+            "max_output_tokens": 60,
+        },
+    ],
+)
+def test_every_responses_object_and_event_validates_against_the_openai_types(served, extra):
+    """Each body and event parses with the openai package's own pydantic types (model_validate, not the
+    lenient construct the client uses): text events carry logprobs, usage its cache_write_tokens, and
+    the message of an incomplete response is incomplete too."""
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    body, events = _raw_responses(served[0], {"model": MODEL_NAME, "temperature": 0, **extra})
+    for obj in (body, events[-1]["response"]):
+        response = Response.model_validate(obj)
+        assert response.usage is not None and response.usage.input_tokens_details.cache_write_tokens == 0
+        for item in response.output:
+            if item.type == "message":
+                assert item.status == ("incomplete" if response.status == "incomplete" else "completed")
+    union = typing.get_args(typing.get_args(ResponseStreamEvent)[0])
+    by_type = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls for cls in union}
+    for event in events:
+        by_type[event["type"]].model_validate(event)
+    text_events = [e for e in events if e["type"] in ("response.output_text.delta", "response.output_text.done")]
+    assert all(e["logprobs"] == [] for e in text_events)
+    assert Response.model_validate(body).status == events[-1]["response"]["status"]
 
 
 def test_responses_json_schema_and_function_tools(client):

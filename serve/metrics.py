@@ -1,5 +1,6 @@
 """Prometheus metrics with vLLM's set and definitions, named `<prefix>:<name>` (`jaxinfra:` by default;
-`vllm:` gives vLLM's exact names, for its Grafana dashboards and alert rules)."""
+`vllm:` gives vLLM's exact names, for its Grafana dashboards and alert rules, and also exports vLLM
+0.7's names for two renamed series, so dashboards built on them keep working)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ class _Tracked:
     """A request in flight, as the metrics see it."""
 
     tenant: str
-    tokens: Any  # its tenant's generation-token counter and ITL histogram: labels() resolved once, not per token
-    itl: Any
+    tokens: Any  # its tenant's generation-token counter and ITL histograms: labels() resolved once, not per token
+    itl: tuple[Any, ...]
     generated: int = 0
     last_token: float | None = None
 
@@ -80,6 +81,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        legacy = prefix == "vllm"  # vLLM 0.7's names for the same series
+        self.kv_usage_v0 = gauge("gpu_cache_usage_perc", "kv_cache_usage_perc under vLLM 0.7's name.") if legacy else None
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (their KV freed, recomputed later).")
@@ -90,6 +93,11 @@ class ServerMetrics:
         )
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.")
+        self.itl_v0 = (
+            hist("time_per_output_token_seconds", "inter_token_latency_seconds under vLLM 0.7's name.")
+            if legacy
+            else None
+        )
         self.tpot = hist(
             "request_time_per_output_token_seconds", "A request's mean time per output token after the first."
         )
@@ -129,7 +137,8 @@ class ServerMetrics:
 
     def _track(self, tenant: str) -> _Tracked:
         labels = (self.model_name, tenant)
-        return _Tracked(tenant, self.generation_tokens.labels(*labels), self.itl.labels(*labels))
+        itl = tuple(h.labels(*labels) for h in (self.itl, self.itl_v0) if h is not None)
+        return _Tracked(tenant, self.generation_tokens.labels(*labels), itl)
 
     def finish_request(self, request_id: str) -> None:
         """The HTTP call is over: forget the request even if the core never reported its end."""
@@ -142,6 +151,8 @@ class ServerMetrics:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
             self.kv_usage.set(stats.kv_cache_usage)
+            if self.kv_usage_v0 is not None:
+                self.kv_usage_v0.set(stats.kv_cache_usage)
             for key, value, metric in (
                 ("queries", stats.prefix_cache_queries, self.prefix_queries),
                 ("hits", stats.prefix_cache_hits, self.prefix_hits),
@@ -170,7 +181,8 @@ class ServerMetrics:
             elif it.new_tokens and req.last_token is not None:
                 gap = (now - req.last_token) / it.new_tokens
                 for _ in range(it.new_tokens):
-                    req.itl.observe(gap)
+                    for h in req.itl:
+                        h.observe(gap)
             if it.new_tokens:
                 req.last_token = now
             if it.finish_reason is not None:

@@ -2,7 +2,11 @@
 
 import pytest
 
+from serve.core_types import SchedulerStats
 from serve.metrics import ServerMetrics
+from serve.output_processor import RequestIteration
+from serve.outputs import RequestMetrics
+from serve.sampling_params import SamplingParams
 
 # Series that vLLM's example Grafana dashboard and its alert examples query (counters without _total).
 VLLM_SERIES = {
@@ -32,3 +36,25 @@ def test_vllm_prefix_names_every_series_as_vllm_does():
 def test_a_prefix_that_is_not_a_prometheus_name_is_refused():
     with pytest.raises(ValueError, match="metrics prefix"):
         ServerMetrics("m", prefix="vllm:x")
+
+
+def test_vllm_prefix_also_exports_vllm_07_names_with_the_same_values():
+    """Older Grafana dashboards query vllm:gpu_cache_usage_perc and vllm:time_per_output_token_seconds
+    (vLLM 0.7); they carry what kv_cache_usage_perc and inter_token_latency_seconds carry."""
+    metrics = ServerMetrics("m", prefix="vllm")
+    stats = SchedulerStats(1, 0, 0.375, 0, 0, 0, 5, 8, 0)
+    metrics.start_request("r", 4, SamplingParams(max_tokens=8))
+    times = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=0.0)
+    metrics.observe([RequestIteration("r", 1, times, True, None)], stats)
+    for _ in range(3):
+        metrics.observe([RequestIteration("r", 2, times, False, None)], stats)
+    text = metrics.render().decode()
+
+    def value(series: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(series + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("vllm:gpu_cache_usage_perc") == value("vllm:kv_cache_usage_perc") == 0.375
+    assert value("vllm:time_per_output_token_seconds_count") == value("vllm:inter_token_latency_seconds_count") == 6
+    assert value("vllm:time_per_output_token_seconds_sum") == value("vllm:inter_token_latency_seconds_sum")
+    assert "gpu_cache_usage_perc" not in ServerMetrics("m").render().decode()

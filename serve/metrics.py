@@ -82,7 +82,7 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         legacy = prefix == "vllm"  # vLLM 0.7's names for the same series
-        self.kv_usage_v0 = gauge("gpu_cache_usage_perc", "kv_cache_usage_perc under vLLM 0.7's name.") if legacy else None
+        self.kv_usage_v0 = gauge("gpu_cache_usage_perc", "kv_cache_usage_perc, vLLM 0.7's name.") if legacy else None
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (their KV freed, recomputed later).")

@@ -146,7 +146,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("quantization", method or "none"),
         weights,
         (f"kv-cache bytes/token ({dtype})", f"{cfg.kv_bytes_per_token(width):,}"),
-        ("max context", f"{cfg.max_position_embeddings:,}"),
+        ("max context", f"{cfg.context_length:,}"),
     ]
     for key, value in rows:
         print(f"{key:<30} {value}")

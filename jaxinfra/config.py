@@ -27,19 +27,31 @@ MOE_FAMILIES = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: Llama 3.1 ("llama3") or position interpolation ("linear")."""
+    """RoPE frequency scaling as Hugging Face defines it: Llama 3.1's ("llama3"), position interpolation
+    ("linear"), dynamic NTK ("dynamic": the base grows with the sequence past the original length)
+    and YaRN ("yarn": interpolated low frequencies, extrapolated high ones, cos/sin scaled)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: the ramp's bounds, in rotations over the original length
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # yarn: cos/sin scale (None: from factor, mscale, mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: round the ramp's bounds to whole dimensions
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"rope_scaling.rope_type: unsupported {self.rope_type!r} (llama3, linear)")
+        if self.rope_type not in ROPE_TYPES[1:]:
+            supported = ", ".join(ROPE_TYPES)
+            raise ValueError(f"rope_scaling.rope_type: unsupported {self.rope_type!r} (supported: {supported})")
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
 
@@ -137,6 +149,16 @@ class ModelConfig:
             )
 
     @property
+    def context_length(self) -> int:
+        """The longest sequence the model serves: max_position_embeddings, stretched by linear, dynamic
+        and YaRN scaling (YaRN from its original length), as vLLM derives it."""
+        r = self.rope_scaling
+        if r is None or r.rope_type == "llama3":
+            return self.max_position_embeddings
+        base = r.original_max_position_embeddings if r.rope_type == "yarn" else self.max_position_embeddings
+        return max(int(base * r.factor), self.max_position_embeddings)
+
+    @property
     def family(self) -> str:
         """The dense model type whose attention this one uses (itself for dense models)."""
         return MOE_FAMILIES.get(self.model_type, self.model_type)
@@ -225,7 +247,14 @@ class ModelConfig:
         scaling = None
         if rope_type not in (None, "default"):
             fields = {f.name for f in dataclasses.fields(RopeScaling)}
-            scaling = RopeScaling(rope_type=rope_type, **{k: v for k, v in rope.items() if k in fields})
+            given = {k: v for k, v in rope.items() if k in fields and v is not None}
+            max_len = config.get("max_position_embeddings", 2048)
+            if rope_type == "dynamic":  # HF grows the base past the config's own length
+                given["original_max_position_embeddings"] = max_len
+            elif rope_type == "yarn":
+                given.setdefault("original_max_position_embeddings", max_len)
+                given.setdefault("factor", max_len / given["original_max_position_embeddings"])
+            scaling = RopeScaling(rope_type=rope_type, **given)
         attention_bias = bool(config.get("attention_bias", False))
         sliding_window = config.get("sliding_window")
         family = MOE_FAMILIES.get(model_type, model_type)

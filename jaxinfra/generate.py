@@ -76,10 +76,10 @@ def generate(
     lens = np.array([len(p) for p in prompts], np.int32)
     batch, width = len(prompts), int(lens.max())
     max_len = width + config.max_new_tokens
-    if max_len > cfg.max_position_embeddings:
+    if max_len > cfg.context_length:
         raise ValueError(
             f"prompt ({width}) + max_new_tokens ({config.max_new_tokens}) exceeds "
-            f"max_position_embeddings ({cfg.max_position_embeddings})"
+            f"the model's context length ({cfg.context_length}: max_position_embeddings with its RoPE scaling)"
         )
     ids = np.zeros((batch, width), np.int32)
     for i, p in enumerate(prompts):

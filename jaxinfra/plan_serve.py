@@ -182,7 +182,7 @@ def plan(
     block_bytes = sum(kv_block_bytes(m, args.block_size, args.kv_cache_dtype, args.attn_impl) for m in models)
     per_token = math.ceil(block_bytes / args.block_size)
     tokens = num_blocks * args.block_size
-    len_limit = min(tokens, cfg.max_position_embeddings)
+    len_limit = min(tokens, cfg.context_length)
 
     def concurrency(length: int) -> int:
         return num_blocks // math.ceil(length / args.block_size)

@@ -51,10 +51,10 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size
         self.max_model_len = engine_max_model_len(cfg, args)
-        if self.max_model_len > cfg.max_position_embeddings:
+        if self.max_model_len > cfg.context_length:
             raise ValueError(
                 f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({cfg.max_position_embeddings})"
+                f"context length ({cfg.context_length}: max_position_embeddings with its RoPE scaling)"
             )
         ep = args.expert_parallel()
         if ep > 1 and not cfg.num_experts:

@@ -42,8 +42,8 @@ def core_process_env(args: EngineArgs) -> dict[str, str]:
 
 
 def engine_max_model_len(cfg: ModelConfig, args: EngineArgs) -> int:
-    """EngineArgs.max_model_len, or the model's max_position_embeddings capped at 4096."""
-    return args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    """EngineArgs.max_model_len, or the model's context length capped at 4096."""
+    return args.max_model_len or min(cfg.context_length, DEFAULT_MAX_MODEL_LEN)
 
 
 def step_token_budget(args: EngineArgs, max_model_len: int) -> int:

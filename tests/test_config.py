@@ -82,7 +82,7 @@ def test_from_hf_v5_style_and_export_round_trip():
         ({"model_type": "gpt2"}, "unsupported model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type"),  # (yarn is supported now)
     ],
 )
 def test_from_hf_rejects_unsupported(bad, match):

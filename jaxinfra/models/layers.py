@@ -17,7 +17,7 @@ from jaxinfra.config import ModelConfig
 from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
 from jaxinfra.models.moe import MoE
 from jaxinfra.models.params import normal_param, zeros_param
-from jaxinfra.models.rope import apply_rope, inverse_frequencies
+from jaxinfra.models.rope import apply_rope, attention_factor, rope_frequencies
 from jaxinfra.models.sharded_attention import cached_attention, dense_attention
 from jaxinfra.quant.qlinear import Weight, linear
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
@@ -110,8 +110,10 @@ class Attention(nnx.Module):
             q, k, v = add_bias(q, self.q_bias[...]), add_bias(k, self.k_bias[...]), add_bias(v, self.v_bias[...])
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        cfg = self.cfg
+        inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, positions)
+        scale = attention_factor(cfg.rope_scaling)
+        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         # every key and value of the row on each device: with the sequence split over the context
         # axis this is one all-gather of K and one of V per layer (context parallelism)

@@ -38,6 +38,7 @@ GPU_ALIASES = {"h100": "h100-80gb", "h200-141gb": "h200", "a100": "a100-80gb", "
 KV_VARIANTS = ("auto", "int8", "fp8")
 WEIGHT_VARIANTS = (None, "int8", "int4")
 MAX_LEN_MARGIN = 1.2  # recommended max_model_len = 1.2 x the longest request seen
+LONG_CONTEXT = 131_072  # plan-serve counts how many sequences of this length fit at once
 
 
 def gpu_memory(name: str) -> int:
@@ -127,6 +128,7 @@ class ServePlan:
     kv_tokens: int
     kv_pool_bytes_per_device: int
     max_model_len_limit: int  # the longest context one request may have (pool and position limit)
+    long_sequences: int  # sequences of LONG_CONTEXT tokens the pool holds at once (0: the model stops short)
     concurrency_p50: int  # requests of P50 prompt + output length the pool holds at once (before max_num_seqs)
     concurrency_p99: int
     recommended_max_model_len: int
@@ -214,6 +216,7 @@ def plan(
         kv_tokens=tokens,
         kv_pool_bytes_per_device=num_blocks * block_bytes // tp,
         max_model_len_limit=len_limit,
+        long_sequences=concurrency(LONG_CONTEXT) if cfg.context_length >= LONG_CONTEXT else 0,
         concurrency_p50=concurrency(workload.prompt_p50 + workload.output_p50),
         concurrency_p99=concurrency(workload.prompt_p99 + workload.output_p99),
         recommended_max_model_len=recommended,
@@ -271,7 +274,8 @@ def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload)
             "KV blocks",
             f"{p.num_blocks:,} x {p.block_size} = {p.kv_tokens:,} tokens ({_gib(p.kv_pool_bytes_per_device)}/device)",
         ),
-        ("largest max_model_len", f"{p.max_model_len_limit:,}"),
+        ("largest max_model_len", f"{p.max_model_len_limit:,} tokens in one sequence"),
+        (f"{LONG_CONTEXT // 1024}K sequences", f"{p.long_sequences:,} at once"),
         ("concurrency at P50", f"{p.concurrency_p50:,} requests of {workload.prompt_p50 + workload.output_p50} tokens"),
         ("concurrency at P99", f"{p.concurrency_p99:,} requests of {workload.prompt_p99 + workload.output_p99} tokens"),
         (
@@ -284,7 +288,7 @@ def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload)
         lines += [
             "",
             f"{'kv / weights':<16} {'weights/dev':>12} {'blocks':>9} {'KV tokens':>11} {'max len':>9} {'P50':>6} "
-            f"{'P99':>6}",
+            f"{'P99':>6} {LONG_CONTEXT // 1024:>4}K",
         ]
         for o in others:
             if isinstance(o, str):
@@ -293,7 +297,7 @@ def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload)
             name = f"{o.kv_cache_dtype} / {o.quantization or 'dense'}"
             lines.append(
                 f"{name:<16} {_gib(o.weight_bytes_per_device):>12} {o.num_blocks:>9,} {o.kv_tokens:>11,} "
-                f"{o.max_model_len_limit:>9,} {o.concurrency_p50:>6,} {o.concurrency_p99:>6,}"
+                f"{o.max_model_len_limit:>9,} {o.concurrency_p50:>6,} {o.concurrency_p99:>6,} {o.long_sequences:>5,}"
             )
     return "\n".join(lines)
 

@@ -79,6 +79,7 @@ def hand_plan(kv_dtype: str, tp: int) -> dict[str, int]:
         "kv_pool_bytes_per_device": blocks * 16 * per_token // tp,
         "concurrency_p50": blocks // math.ceil((512 + 256) / 16),
         "concurrency_p99": blocks // math.ceil((2048 + 1024) / 16),
+        "long_sequences": blocks // (131_072 // 16),  # whole 128K-token sequences
     }
 
 

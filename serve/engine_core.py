@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -35,6 +35,10 @@ from serve.sequence import Sequence
 from serve.spec_decode import DraftSlots, EagleDrafts, NgramProposer, SpeculativeConfig
 from serve.step_data import SchedulerOutput
 from serve.structured_output import GrammarCompiler, Matcher
+
+
+class EngineBusy(ValueError):
+    """A call that needs an idle engine came while requests were in flight."""
 
 
 class EngineCore:
@@ -311,13 +315,31 @@ class EngineCore:
         if not self.requests and not self.inflight:
             assert self.block_manager.num_free_blocks == self.block_manager.num_blocks, "idle engine holds blocks"
 
+    def update_weights(self, source: Any) -> None:
+        """New weights in place (ModelRunner.update_weights), and the prefix cache dropped (its blocks
+        hold the old weights' KV). Only between requests: with any in flight an EngineBusy, so no
+        output ever mixes two sets of weights."""
+        self._check_idle()
+        self.runner.update_weights(source)
+        self.block_manager.reset_prefix_cache()
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """update_weights from a checkpoint folder (HF safetensors) of the engine's model shape."""
+        self._check_idle()  # before reading the checkpoint
+        self.update_weights(load_model(model_path, dtype=None if self.args.dtype == "auto" else self.args.dtype))
+
+    def _check_idle(self) -> None:
+        if self.requests or self.inflight:
+            raise EngineBusy(f"update_weights needs an idle engine: {len(self.requests)} requests are in flight")
+
     def utility(self, method: str, args: list[Any]) -> Any:
         """The calls a frontend may make on a core process."""
-        calls = {
+        calls: dict[str, Callable[..., Any]] = {
             "stats": lambda: self.stats(),
             "check_invariants": self.check_invariants,
             "reset_prefix_cache": self.block_manager.reset_prefix_cache,
             "memory": lambda: memory_breakdown(self.runner.weights, self.runner.kv_cache),
+            "update_weights_from_disk": self.update_weights_from_disk,
         }
         if method not in calls:
             raise ValueError(f"unknown utility call {method!r}")

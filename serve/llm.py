@@ -29,6 +29,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def update_weights(self, source: Any) -> None:
+        """Swap in new weights (a model, an nnx.State, a training state or its params, any sharding:
+        placed as the engine's) between generate calls; the prefix cache is dropped. For RL loops
+        that alternate rollouts and updates, without a checkpoint round trip."""
+        self.engine.core.update_weights(source)
+
     def generate(
         self,
         prompts: PromptLike | Seq[PromptLike],

@@ -25,6 +25,7 @@ from serve.http.serving_models import ServingModels
 from serve.http.serving_responses import ServingResponses
 from serve.http.serving_status import ServingStatus
 from serve.http.serving_tokenization import ServingTokenization
+from serve.http.serving_weights import ServingWeights
 from serve.http.state import ServerState
 from serve.metrics import ServerMetrics
 from serve.tenants import Tenant
@@ -36,6 +37,7 @@ SERVING_CLASSES: tuple[type[OpenAIServing], ...] = (
     ServingChat,
     ServingResponses,
     ServingStatus,
+    ServingWeights,
 )
 
 

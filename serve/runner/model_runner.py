@@ -30,6 +30,7 @@ from serve.runner.device_step import DeviceStep
 from serve.runner.inflight import InFlight
 from serve.runner.inputs import DRAFT_VERIFY_MIN_ROWS, InputBuilder, StepBatch
 from serve.runner.sizing import buckets, fit
+from serve.runner.weight_sync import place_like, pure_params
 from serve.spec_decode.draft_model import DraftModelRunner
 from serve.spec_decode.eagle import EagleRunner
 from serve.spec_decode.verify_batch import verify_arrays
@@ -341,6 +342,16 @@ class ModelRunner:
         rows = [sb for sb in self.seq_buckets if sb >= min(self.inputs.verify_min_rows, self.seq_buckets[-1])]
         per_row = [(sb * k1, sb, w, k1) for sb in rows for w in self.width_buckets]
         return [shape for shape in self.shapes() if shape[3] > 1] + per_row
+
+    def update_weights(self, source: Any) -> None:
+        """Replace the model's weights in place from a model, state, TrainState or params dict: same
+        names and shapes, cast and placed as the engine's, so no step recompiles."""
+        new = place_like(pure_params(source, self.cfg.num_layers), nnx.to_pure_dict(self.state))
+        nnx.replace_by_pure_dict(self.state, new)
+        weights, state_def = jax.tree.flatten(stack_layers(new) if self.layer_graph is not None else new)
+        if state_def != self.device.state_def:
+            raise ValueError("the new weights' layout differs from the compiled steps'")
+        self.weights = weights
 
     def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         """An empty batch of the given shape (what warm-up compiles)."""

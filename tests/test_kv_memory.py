@@ -117,3 +117,26 @@ def test_the_engine_refuses_a_model_that_does_not_fit_at_start(monkeypatch) -> N
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu(stats)])
     with pytest.raises(ValueError, match="does not fit on the device"):
         EngineCore._blocks_from_memory(types.SimpleNamespace(cfg=cfg), args, step_token_budget(args, 4096))
+
+
+ONE_COPY = """
+import gc, jax
+from jaxinfra.loading import DEFAULT_MODEL
+from serve import LLM
+llm = LLM(str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4, compilation_cache_dir="")
+gc.collect()
+runner = llm.engine.core.runner
+held = sum(a.nbytes for a in runner.weights) + sum(a.nbytes for a in jax.tree.leaves(runner.kv_cache))
+print(sum(a.nbytes for a in jax.live_arrays()) - held, sum(a.nbytes for a in runner.weights))
+"""
+
+
+def test_a_serving_engine_holds_its_weights_once():
+    """With scanned layers the steps read stacked weights; the per-layer arrays they were stacked from
+    used to stay alive beside them (a second copy of every layer the KV sizing never counted)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", ONE_COPY], capture_output=True, text=True, check=True).stdout
+    extra, weights = map(int, out.split()[-2:])
+    assert 0 <= extra < weights // 100, (extra, weights)

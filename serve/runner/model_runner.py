@@ -15,12 +15,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 from tqdm import tqdm
 
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import EagleHead
-from jaxinfra.models.llama import layer_graph, stack_layers
+from jaxinfra.models.llama import layer_graph, stack_layers, unstack_layers
 from pallas_kernels import PagedKVCache, cpu_paged_attention, paged_head_dim, paged_impl
 from pallas_kernels.kv_quant import is_quantized_kv
 from serve.config import kv_storage_dtype
@@ -30,7 +30,7 @@ from serve.runner.device_step import DeviceStep
 from serve.runner.inflight import InFlight
 from serve.runner.inputs import DRAFT_VERIFY_MIN_ROWS, InputBuilder, StepBatch
 from serve.runner.sizing import buckets, fit
-from serve.runner.weight_sync import place_like, pure_params
+from serve.runner.weight_sync import engine_layout, place_like
 from serve.spec_decode.draft_model import DraftModelRunner
 from serve.spec_decode.eagle import EagleRunner
 from serve.spec_decode.verify_batch import verify_arrays
@@ -53,11 +53,12 @@ def device_step(
     """The jitted steps' closure for `model` (split into graphdef and placed `state`) and its weights;
     with `scan_layers`, identical layers' weights are stacked once here and scanned in every step."""
     params = nnx.to_pure_dict(state)
-    template = list(nnx.to_flat_state(state))
+    template = abstract(nnx.to_flat_state(state))  # shapes only: the weights' one copy is `weights`
     stacked: tuple[nnx.GraphDef, list] | None = None
     if scan_layers:
         try:
-            stacked = layer_graph(model.layers)
+            graph, layer_template = layer_graph(model.layers)
+            stacked = graph, abstract(layer_template)
             params = stack_layers(params)
         except ValueError:  # layers that differ (e.g. partly quantized) run one after the other
             stacked = None
@@ -65,6 +66,12 @@ def device_step(
     weights, state_def = jax.tree.flatten(params)
     constants = (mesh, activation_rules, block_size, max_num_seqs, eos_token_ids)
     return DeviceStep(model.cfg, graphdef, template, stacked, state_def, *constants), weights
+
+
+def abstract(flat: Any) -> list:
+    """(path, variable) pairs with each value a ShapeDtypeStruct: a template for merge_params that
+    keeps no array alive."""
+    return [(p, v.replace(value=jax.ShapeDtypeStruct(v[...].shape, v[...].dtype))) for p, v in flat]
 
 
 class ModelRunner:
@@ -100,7 +107,7 @@ class ModelRunner:
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.num_scheduler_steps = num_scheduler_steps
         self.num_speculative_tokens = num_speculative_tokens
-        graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
         dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
         self.attn_impl = paged_impl(attn_impl)
         if self.attn_impl == "cpu" and not cpu_paged_attention.reads(dtype):
@@ -119,7 +126,7 @@ class ModelRunner:
         mesh = None
         if max(tensor_parallel_size, expert_parallel_size) > 1:  # weights and KV pools split over KV heads
             mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads, expert_parallel_size)
-            self.state = shard_state(self.state, mesh, rules.params)
+            state = shard_state(state, mesh, rules.params)
             axes = (None, None, None, "kv_heads", "head_dim")
             self.kv_cache = jax.tree.map(
                 lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], rules.params, a.shape, mesh)),
@@ -128,7 +135,7 @@ class ModelRunner:
         self.device, self.weights = device_step(
             model,
             graphdef,
-            self.state,
+            state,
             block_size,
             max_num_seqs,
             self.eos_token_ids,
@@ -137,6 +144,7 @@ class ModelRunner:
             scan_layers,
         )
         self.layer_graph = self.device.layer_graph
+        self._template = abstract(nnx.to_flat_state(state))
         self.draft = None
         if draft_model is not None:  # no eos: the draft proposes greedily, the target's sampler stops
             draft_graphdef, draft_state = nnx.split(draft_model)
@@ -343,15 +351,23 @@ class ModelRunner:
         per_row = [(sb * k1, sb, w, k1) for sb in rows for w in self.width_buckets]
         return [shape for shape in self.shapes() if shape[3] > 1] + per_row
 
+    def params(self) -> dict:
+        """The model's weights as a pure dict, one entry per layer (views of the steps' weights,
+        which hold the only copy)."""
+        params = jax.tree.unflatten(self.device.state_def, self.weights)
+        return unstack_layers(params, self.cfg.num_layers) if self.layer_graph is not None else params
+
+    @property
+    def state(self) -> nnx.State:
+        """The model's variables (for inspection: names, values, shardings), rebuilt from the weights."""
+        flat = traverse_util.flatten_dict(self.params())
+        return nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self._template])
+
     def update_weights(self, source: Any) -> None:
         """Replace the model's weights in place from a model, state, TrainState or params dict: same
         names and shapes, cast and placed as the engine's, so no step recompiles."""
-        new = place_like(pure_params(source, self.cfg.num_layers), nnx.to_pure_dict(self.state))
-        nnx.replace_by_pure_dict(self.state, new)
-        weights, state_def = jax.tree.flatten(stack_layers(new) if self.layer_graph is not None else new)
-        if state_def != self.device.state_def:
-            raise ValueError("the new weights' layout differs from the compiled steps'")
-        self.weights = weights
+        old = jax.tree.unflatten(self.device.state_def, self.weights)
+        self.weights = jax.tree.leaves(place_like(engine_layout(source, old, self.cfg.num_layers), old))
 
     def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
         """An empty batch of the given shape (what warm-up compiles)."""

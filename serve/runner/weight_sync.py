@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxinfra.models.llama import unstack_layers
@@ -15,9 +17,25 @@ from jaxinfra.models.llama import unstack_layers
 Params = dict[str, Any]
 
 
-def pure_params(source: Any, num_layers: int) -> Params:
-    """The per-layer params dict of `source`: an nnx Module, an nnx.State, a TrainState (its
-    `.params`, layers stacked or not) or such a dict."""
+def _stacked(params: Params) -> bool:
+    """Whether the decoder layers' weights are stacked [L, ...] (else one entry per layer index)."""
+    layers = params.get("layers")
+    return isinstance(layers, dict) and bool(layers) and not any(isinstance(k, int) for k in layers)
+
+
+def _stack(params: Params, num_layers: int) -> Params:
+    """Per-layer weights stacked [L, ...]: on the host for host arrays (one memcpy, no device op)."""
+
+    def stack(*xs: Any) -> Any:
+        return np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+
+    layers = params["layers"]
+    return {**params, "layers": jax.tree.map(stack, *(layers[i] for i in range(num_layers)))}
+
+
+def engine_layout(source: Any, engine: Params, num_layers: int) -> Params:
+    """`source` (an nnx Module, an nnx.State, a TrainState's `.params`, or such a params dict, layers
+    stacked or not) as a params dict in the engine's layout (stacked iff `engine` is)."""
     if isinstance(source, nnx.Module):
         source = nnx.state(source)
     if isinstance(source, nnx.State):
@@ -26,9 +44,10 @@ def pure_params(source: Any, num_layers: int) -> Params:
     if not isinstance(params, dict):
         kind = type(source).__name__
         raise ValueError(f"update_weights takes a model, an nnx.State, a TrainState or a params dict, not {kind}")
-    layers = params.get("layers")
-    if isinstance(layers, dict) and layers and not any(isinstance(k, int) for k in layers):
-        params = unstack_layers(params, num_layers)  # the trainer's scanned layout: [L, ...] per leaf
+    if _stacked(engine) and not _stacked(params):
+        return _stack(params, num_layers)
+    if _stacked(params) and not _stacked(engine):
+        return unstack_layers(params, num_layers)
     return params
 
 
@@ -43,11 +62,12 @@ def place_like(new: Params, old: Params) -> Params:
         raise ValueError(
             f"the new weights do not match the engine's parameters: missing {missing[:5]}, unexpected {extra[:5]}"
         )
-    placed = []
+    values = []
     for path, current in old_leaves:
         value = new_leaves[path]
         if tuple(value.shape) != tuple(current.shape):
             name, shape = jax.tree_util.keystr(path), tuple(value.shape)
             raise ValueError(f"weight {name}: shape {shape}, the engine's is {tuple(current.shape)}")
-        placed.append(jax.device_put(value.astype(current.dtype), current.sharding))
+        values.append(value if value.dtype == current.dtype else value.astype(current.dtype))
+    placed = jax.device_put(values, [current.sharding for _, current in old_leaves])  # one batched transfer
     return jax.tree_util.tree_unflatten(treedef, placed)

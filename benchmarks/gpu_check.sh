@@ -113,9 +113,10 @@ step_train_throughput() {
 }
 step_serving() {
   if [ "$DRY" = 1 ]; then  # the embedded model on CPU, as `make run` serves it
-    run_step serving $PY -m benchmarks.serving_check --model default --dtype float32 --input-len 24 --output-len 8 \
-      --vocab 200 --concurrency 1,4,8 --prompts-per-level 1 --min-prompts 2 --bandwidth-from "$OUT/kernels.json" \
-      --logs "$WORK/logs/serving" --server-flags "--config configs/serve/cpu.yaml --max-model-len 128"
+    run_step serving $PY -m benchmarks.serving_check --model default --dtype float32 --input-len 16 --output-len 8 \
+      --vocab 200 --concurrency 1,2,4 --prompts-per-level 1 --min-prompts 2 --bandwidth-from "$OUT/kernels.json" \
+      --logs "$WORK/logs/serving" \
+      --server-flags "--config configs/serve/cpu.yaml --max-model-len 64 --max-num-seqs 4 --max-num-batched-tokens 32 --num-scheduler-steps 1"
   else
     run_step serving $PY -m benchmarks.serving_check --model llama-3.2-1b --dtype bfloat16 --input-len 512 \
       --output-len 128 --concurrency 1,64,256 --bandwidth-from "$OUT/kernels.json" --logs "$WORK/logs/serving" \

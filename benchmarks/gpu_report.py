@@ -78,7 +78,7 @@ def build_summary(out: Path) -> str:
         for step, entry in data.items():
             lines += ["", f"### {step}: {entry.get('status', 'running or killed')}", ""]
             facts = {k: v for k, v in entry.items() if k not in ("rows", "status", "rc", "seconds", "budget_s")}
-            lines += [f"- {k}: {_cell(v) if not isinstance(v, list) else '; '.join(map(str, v))}" for k, v in facts.items()]
+            lines += [f"- {k}: {'; '.join(map(str, v)) if isinstance(v, list) else _cell(v)}" for k, v in facts.items()]
             if entry.get("rows"):
                 lines += ([""] if facts else []) + _table(entry["rows"])
     return "\n".join(lines) + "\n"
@@ -120,7 +120,8 @@ def leftovers(rows_path: Path, step: str, token: str) -> bool:
     if shutil.which("nvidia-smi"):
         query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv"]
         apps = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-        rows.append({"check": "nvidia-smi compute apps", "found": "; ".join(apps[1:]) or "none", "clean": len(apps) <= 1})
+        found = "; ".join(apps[1:]) or "none"
+        rows.append({"check": "nvidia-smi compute apps", "found": found, "clean": len(apps) <= 1})
     else:
         rows.append({"check": "nvidia-smi compute apps", "found": "no nvidia-smi here", "clean": True})
     pids = _marked(token) if token else []

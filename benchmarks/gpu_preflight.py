@@ -78,7 +78,11 @@ def status(dist: str, module: str, want: str | None) -> str:
 def download_command(folder: str) -> str:
     """The pip command that fetches the pinned wheels for the device's Python 3.12 into `folder`."""
     spec = " ".join(f"{d}=={v}" for d, v in pins().items())
-    platforms = "--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64"
+    tags = (
+        "manylinux2014",
+        *(f"manylinux_2_{n}" for n in (17, 24, 26, 27, 28, 31, 34, 35, 39)),
+    )  # the image: glibc 2.39
+    platforms = " ".join(f"--platform {t}_x86_64" for t in tags)
     return (
         f"python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "
         f"{platforms} -d {shlex.quote(folder)} {spec}"
@@ -89,14 +93,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--missing", type=Path, default=None, help="file to list the missing distributions in")
     p.add_argument("--download-command", metavar="DIR", default=None, help="print the pip download command")
-    p.add_argument("--install-spec", action="store_true", help="print the pinned requirement list")
     add_budget_args(p, "preflight")
     args = p.parse_args()
     if args.download_command:
         print(download_command(args.download_command))
-        return
-    if args.install_spec:
-        print(" ".join(f"{d}=={v}" for d, v in pins().items()))
         return
     rec = Recorder.from_args(args)
     rec.note(python=platform.python_version())

@@ -40,8 +40,8 @@ class BudgetPlugin:
             key = key or ("failed" if report.when == "call" else "errors")
             self.counts[key] += 1
             if key in ("failed", "errors"):
-                line = str(report.longrepr).strip().splitlines()[-1:] if report.longrepr else []
-                self.failures.append(f"{report.nodeid}: {' '.join(line)}"[:300])
+                errors = [ln[1:].strip() for ln in report.longreprtext.splitlines() if ln.startswith("E ")]
+                self.failures.append(f"{report.nodeid}: {' / '.join(errors[:3])}"[:300])
             self._save()
         if report.when == "teardown" and not self.rec.more(estimate=report.duration):
             self.session.shouldstop = "budget spent"

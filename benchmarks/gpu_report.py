@@ -77,7 +77,8 @@ def build_summary(out: Path) -> str:
         lines += ["", f"## {area}"]
         for step, entry in data.items():
             lines += ["", f"### {step}: {entry.get('status', 'running or killed')}", ""]
-            facts = {k: v for k, v in entry.items() if k not in ("rows", "status", "rc", "seconds", "budget_s")}
+            skip = ("rows", "status", "rc", "seconds", "budget_s")
+            facts = {k: v for k, v in entry.items() if k not in skip and v not in (None, "", [])}
             lines += [f"- {k}: {'; '.join(map(str, v)) if isinstance(v, list) else _cell(v)}" for k, v in facts.items()]
             if entry.get("rows"):
                 lines += ([""] if facts else []) + _table(entry["rows"])

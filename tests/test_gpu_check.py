@@ -42,7 +42,7 @@ def _summary_steps(out: Path) -> list[str]:
 @pytest.mark.slow
 def test_cpu_dry_run_runs_every_step_into_six_files(tmp_path):
     r = _check(tmp_path, "--cpu-dry-run", timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 0, r.stdout.split("## Steps")[-1][:3000] + r.stderr[-2000:]
     files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert len(files) <= 6 and "summary.md" in files and "logs.tar.gz" in files, files
     steps = _steps()
@@ -106,3 +106,14 @@ def test_rows_are_written_as_measured(tmp_path):
     proc.wait(30)
     kept = json.loads(area.read_text())["collectives"]["rows"]
     assert 1 <= len(kept) < 30 and all(row["us"] > 0 for row in kept)  # 5 ops x 6 sizes when it runs out
+
+
+def test_kernel_tests_stop_at_the_budget_and_count_what_ran(tmp_path):
+    area = tmp_path / "kernels.json"
+    cmd = [sys.executable, "-m", "benchmarks.kernel_tests", "--budget", "0.5", "--rows", str(area)]
+    r = subprocess.run(
+        [*cmd, "tests/kernels/test_attention_reference.py"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout[-2000:]
+    (row,) = json.loads(area.read_text())["kernel_tests"]["rows"]
+    assert row["passed"] == 1 and row["failed"] == 0 and row["not_run"] == row["collected"] - 1 > 0

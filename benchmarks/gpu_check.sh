@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/gpu_check.sh                 all steps on the GPU (device tool: command "bash benchmarks/gpu_check.sh")
 #   bash benchmarks/gpu_check.sh --only serving  one step;   --list  the steps and their budgets
+#   bash benchmarks/gpu_check.sh --only serving_8b   the opt-in step: a Llama-3.1-8B-shaped server (200 s more)
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   every step on CPU at tiny shapes (3-4 minutes), so this cannot rot
 #
 # Results, 6 files under $OUT (default benchmarks/out/gpu_check): summary.md (rebuilt after each step),
@@ -17,14 +18,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STEPS=(preflight kernel_tests attention paged_attention quant_matmul grouped_matmul collectives train_throughput serving leftovers)
-declare -A BUDGET=([preflight]=20 [kernel_tests]=55 [attention]=30 [paged_attention]=40 [quant_matmul]=25
+OPT_IN=(serving_8b)  # past the 7 minutes: only with --only
+declare -A BUDGET=([serving_8b]=200 [preflight]=20 [kernel_tests]=55 [attention]=30 [paged_attention]=40 [quant_matmul]=25
   [grouped_matmul]=20 [collectives]=10 [train_throughput]=40 [serving]=110 [leftovers]=10)
 declare -A AREA=([preflight]=system [kernel_tests]=kernels [attention]=kernels [paged_attention]=kernels
   [quant_matmul]=kernels [grouped_matmul]=kernels [collectives]=kernels [train_throughput]=training
-  [serving]=serving [leftovers]=system)
+  [serving]=serving [serving_8b]=serving [leftovers]=system)
 # Distributions (as gpu_preflight names them) a step cannot import without.
-declare -A NEEDS=([train_throughput]="grain portpicker array-record"
-  [serving]="grain portpicker array-record fastapi starlette pydantic pydantic-core typing-inspection annotated-types opentelemetry-api importlib-metadata uvicorn msgspec pyzmq llguidance typing-extensions")
+SERVE_NEEDS="grain portpicker array-record fastapi starlette pydantic pydantic-core typing-inspection annotated-types \
+opentelemetry-api importlib-metadata uvicorn msgspec pyzmq llguidance typing-extensions"
+declare -A NEEDS=([train_throughput]="grain portpicker array-record" [serving]=$SERVE_NEEDS [serving_8b]=$SERVE_NEEDS)
 SLACK=60  # the outer timeout's allowance past a step's budget (one row's compile can overrun it)
 
 DRY=0
@@ -33,8 +36,11 @@ while [ $# -gt 0 ]; do
   case $1 in
     --cpu-dry-run) DRY=1 ;;
     --only) ONLY=${2:?--only needs a step}; shift ;;
-    --list) for s in "${STEPS[@]}"; do echo "$s ${BUDGET[$s]}s ${AREA[$s]}"; done; exit 0 ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    --list)
+      for s in "${STEPS[@]}"; do echo "$s ${BUDGET[$s]}s ${AREA[$s]}"; done
+      for s in "${OPT_IN[@]}"; do echo "$s ${BUDGET[$s]}s ${AREA[$s]} (opt-in: --only $s)"; done
+      exit 0 ;;
+    -h | --help) sed -n '2,/^set -uo/{/^#/p}' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -121,6 +127,17 @@ step_serving() {
     run_step serving $PY -m benchmarks.serving_check --model llama-3.2-1b --dtype bfloat16 --input-len 512 \
       --output-len 128 --concurrency 1,64,256 --bandwidth-from "$OUT/kernels.json" --logs "$WORK/logs/serving" \
       --server-flags "--max-model-len 1024 --max-num-seqs 256 --max-num-batched-tokens 2048"
+  fi
+}
+step_serving_8b() {  # a Llama-3.1-8B-shaped bf16 model: about 16 GB of weights read per decode step
+  if [ "$DRY" = 1 ]; then
+    run_step serving_8b $PY -m benchmarks.serving_check --model tiny-llama --dtype float32 --input-len 16 \
+      --output-len 8 --vocab 200 --concurrency 1,2 --prompts-per-level 1 --min-prompts 2 --logs "$WORK/logs/serving_8b" \
+      --server-flags "--max-model-len 64 --max-num-seqs 4 --max-num-batched-tokens 32 --num-scheduler-steps 1"
+  else
+    run_step serving_8b $PY -m benchmarks.serving_check --model llama-3.1-8b --dtype bfloat16 --input-len 512 \
+      --output-len 128 --concurrency 1,64 --bandwidth-from "$OUT/kernels.json" --logs "$WORK/logs/serving_8b" \
+      --server-flags "--max-model-len 1024 --max-num-seqs 64 --max-num-batched-tokens 2048"
   fi
 }
 step_leftovers() { run_step leftovers $PY -m benchmarks.gpu_report leftovers --out "$OUT"; }

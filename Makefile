@@ -18,7 +18,7 @@ EXTRAS = serve train ray dev
 
 LINT_PATHS = jaxinfra pallas_kernels sharding serve benchmarks tests scripts
 
-.PHONY: setup run generate lint test test-kernels-newest test-latest lock ci
+.PHONY: setup run generate lint test test-kernels-newest test-latest lock ci gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -83,3 +83,10 @@ test-latest: $(VENV)/.installed
 	$(VENV_LATEST)/bin/python -m pytest -q $(PYTEST_ARGS) -m "not slow" tests
 
 ci: test test-kernels-newest
+
+# The packages the GPU machine's image lacks (serving, data), as Python 3.12 wheels at our lock's versions, into the
+# gitignored benchmarks/wheels/: carry it in a device call and benchmarks/gpu_check.sh installs them offline.
+gpu-wheels: setup
+	mkdir -p benchmarks/wheels
+	eval "$$($(VENV)/bin/python -m benchmarks.gpu_preflight --download-command benchmarks/wheels)"
+	du -sh benchmarks/wheels

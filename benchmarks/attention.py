@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from benchmarks.budget import Recorder, add_budget_args
 from benchmarks.common import matmul_peak_tflops, time_fn
 from pallas_kernels import BlockSizes, flash_attention, mha_reference
 
@@ -82,10 +83,15 @@ def _impls(quick: bool) -> dict[str, Callable]:
     return impls
 
 
-def run(shapes: list[Shape], quick: bool, dtype: jnp.dtype) -> tuple[list[dict], float]:
+def run(shapes: list[Shape], quick: bool, dtype: jnp.dtype, rec: Recorder | None = None) -> tuple[list[dict], float]:
+    """One row per shape and implementation, each handed to `rec` as measured; stops at its budget."""
+    rec = rec or Recorder()
     peak = matmul_peak_tflops(n=256 if quick else 8192, dtype=dtype)
-    rows = []
+    rec.note(peak_tflops=peak)
+    rows = rec.rows
     for shape in tqdm(shapes, desc="attention shapes"):
+        if not rec.more():
+            break
         ks = jax.random.split(jax.random.key(0), 4)
         q = jax.random.normal(ks[0], (shape.b, shape.t, shape.h, shape.d), dtype)
         k = jax.random.normal(ks[1], (shape.b, shape.t, shape.kh, shape.d), dtype)
@@ -93,6 +99,8 @@ def run(shapes: list[Shape], quick: bool, dtype: jnp.dtype) -> tuple[list[dict],
         do = jax.random.normal(ks[3], q.shape, dtype)
         ref = mha_reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=shape.causal)
         for name, fn in _impls(quick).items():
+            if not rec.more():
+                break
             fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, shape.causal))
             bwd = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v, shape.causal) * do), argnums=(0, 1, 2)))
             try:
@@ -100,10 +108,10 @@ def run(shapes: list[Shape], quick: bool, dtype: jnp.dtype) -> tuple[list[dict],
                 t_fwd = time_fn(fwd, q, k, v, warmup=1 if quick else 3, iters=2 if quick else 20)
                 t_bwd = time_fn(bwd, q, k, v, warmup=1 if quick else 3, iters=2 if quick else 20)
             except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
-                rows.append({"shape": shape.label, "impl": name, "error": f"{type(e).__name__}: {e}"[:200]})
+                rec.add({"shape": shape.label, "impl": name, "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
             flops = shape.fwd_flops()
-            rows.append(
+            rec.add(
                 {
                     "shape": shape.label,
                     "impl": name,
@@ -165,8 +173,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU smoke run)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    add_budget_args(parser, "attention")
     args = parser.parse_args()
-    rows, peak = run(QUICK_SHAPES if args.quick else GPU_SHAPES, args.quick, jnp.dtype(args.dtype))
+    shapes = QUICK_SHAPES if args.quick else GPU_SHAPES
+    rows, peak = run(shapes, args.quick, jnp.dtype(args.dtype), Recorder.from_args(args))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention.json").write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=2))
     plot(rows, args.out / "attention.png")

@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from benchmarks.budget import Recorder, add_budget_args
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
 
 
@@ -33,7 +35,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="sizes up to 1 MB")
     parser.add_argument("--max-bytes", type=int, default=2**30)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    add_budget_args(parser, "collectives")
     args = parser.parse_args()
+    rec = Recorder.from_args(args)
     if args.cpu_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax
@@ -60,16 +64,18 @@ def main() -> None:
     }
     max_bytes = 2**20 if args.quick else args.max_bytes
     sizes = [s for s in (2 ** (10 + 2 * i) for i in range(11)) if s <= max_bytes]
-    rows = []
+    rows = rec.rows
     for op in OPS:
         fn = jax.jit(jax.shard_map(bodies[op], mesh=mesh, in_specs=spec, out_specs=spec))
         for size in tqdm(sizes, desc=op, unit="size", leave=False):
+            if not rec.more():
+                break
             elems = max(size // 4, n * n) // (n * n) * (n * n)  # divisible for gather/scatter/all-to-all
             per_device = elems // n if op == "all_gather" else elems  # all-gather: size is the output
             x = jax.device_put(jnp.ones((per_device * n,), jnp.float32), NamedSharding(mesh, spec))
             seconds = device_seconds(fn, x, iters=10)
             algbw = elems * 4 / seconds / 1e9
-            rows.append(
+            rec.add(
                 dict(op=op, bytes=elems * 4, devices=n, us=seconds * 1e6, algbw=algbw, busbw=algbw * bus_factor(op, n))
             )
             args.out.mkdir(parents=True, exist_ok=True)

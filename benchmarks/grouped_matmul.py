@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.budget import Recorder, add_budget_args
 from benchmarks.common import device_seconds
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas
 from pallas_kernels.grouped_matmul_reference import grouped_matmul_reference
@@ -43,14 +44,20 @@ def skewed_sizes(m: int, g: int) -> np.ndarray:
     return counts.astype(np.int32)
 
 
-def run(shapes: list[tuple[int, int, int, int]], interpret: bool, out: Path | None) -> list[dict]:
-    rows = []
+def run(
+    shapes: list[tuple[int, int, int, int]], interpret: bool, out: Path | None, rec: Recorder | None = None
+) -> list[dict]:
+    """One row per shape, handed to `rec` and saved as measured; no new row past the budget."""
+    rec = rec or Recorder()
+    rows = rec.rows
     impls = {
         "pallas": lambda x, w, gs: grouped_matmul_pallas(x, w, gs, interpret=interpret),
         "ragged_dot": grouped_matmul_reference,
         "dense_loop": dense_loop,
     }
     for m, g, k, n in shapes:
+        if not rec.more():
+            break
         kx, kw = jax.random.split(jax.random.key(0))
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
         w = jax.random.normal(kw, (g, k, n), jnp.bfloat16) * 0.02
@@ -67,7 +74,10 @@ def run(shapes: list[tuple[int, int, int, int]], interpret: bool, out: Path | No
             )
         flops = 2 * m * k * n
         row["pallas_fwd_tflops"] = flops / row["pallas_fwd_us"] / 1e6
-        rows.append(row)
+        rec.add(row)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "grouped_matmul.json").write_text(json.dumps(rows, indent=2))
         print(
             f"M{m} G{g} K{k} N{n}: forward pallas {row['pallas_fwd_us']:.0f} us, ragged_dot "
             f"{row['ragged_dot_fwd_us']:.0f} us ({row['ragged_dot_fwd_us'] / row['pallas_fwd_us']:.2f}x), dense loop "
@@ -78,9 +88,6 @@ def run(shapes: list[tuple[int, int, int, int]], interpret: bool, out: Path | No
             f"rel err pallas {row['pallas_rel_err']:.1e}",
             flush=True,
         )
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "grouped_matmul.json").write_text(json.dumps(rows, indent=2))
     return rows
 
 
@@ -88,10 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)")
     parser.add_argument("--out", type=Path, default=None)
+    add_budget_args(parser, "grouped_matmul")
     args = parser.parse_args()
     interpret = args.quick or jax.default_backend() != "gpu"
     print("grouped matmul (MoE experts): ours vs ragged_dot vs a dense per-expert loop")
-    run(QUICK_SHAPES if args.quick else GPU_SHAPES, interpret, args.out)
+    run(QUICK_SHAPES if args.quick else GPU_SHAPES, interpret, args.out, Recorder.from_args(args))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from benchmarks.budget import Recorder, add_budget_args
 from benchmarks.common import copy_bandwidth_gbs, device_seconds
 from pallas_kernels import (
     PagedKVCache,
@@ -85,15 +86,23 @@ def _serving_decode(q, cache, tables, cu, lengths, work):
 
 
 class Results:
-    """Rows saved to JSON and printed as each finishes, so a step cut off by its time limit keeps them."""
+    """Rows saved to JSON (ours and the area JSON of `rec`) and printed as each finishes, so a step cut
+    off by its time limit keeps them; `more()` is the recorder's budget check."""
 
-    def __init__(self, path: Path, bandwidth: float) -> None:
+    def __init__(self, path: Path, bandwidth: float, rec: Recorder | None = None) -> None:
         self.path, self.data = path, {"copy_bandwidth_gbs": bandwidth, "decode": [], "prefill": []}
+        self.rec = rec or Recorder()
+        self.rec.note(copy_bandwidth_gbs=bandwidth)
         path.parent.mkdir(parents=True, exist_ok=True)
+
+    def more(self) -> bool:
+        """Whether the budget allows another row."""
+        return self.rec.more()
 
     def add(self, kind: str, row: dict) -> None:
         self.data[kind].append(row)
         self.path.write_text(json.dumps(self.data, indent=2))
+        self.rec.add({"kind": kind, **row})
         tqdm.write(f"{kind}: {json.dumps(row)}")
 
 
@@ -104,6 +113,8 @@ def decode_rows(quick: bool, bandwidth: float, results: Results) -> None:
     pools = [("bf16", 16), ("int8", 16), ("fp8", 16)] + ([] if quick else [("bf16", 64), ("int8", 64)])
     grid = [(b, c, bs, kv) for b, c in (QUICK_DECODE if quick else GPU_DECODE) for kv, bs in pools]
     for b, c, bs, kv in tqdm(grid, desc="paged decode"):
+        if not results.more():
+            return
         k, v, tables, scales = _pools(b, c, bs, d, kv)
         q = jax.random.normal(jax.random.key(9), (b, H, d), jnp.bfloat16)
         lengths = jnp.full((b,), c, jnp.int32)
@@ -121,6 +132,8 @@ def decode_rows(quick: bool, bandwidth: float, results: Results) -> None:
         ref = paged_attention_reference(q.astype(jnp.float32), k, v, tables, lengths, **scales)
         base = {}
         for name, (fn, args) in impls.items():
+            if not results.more():
+                return
             row: dict = {"batch": b, "context": c, "block": bs, "kv": kv, "impl": name}
             try:
                 err = float(jnp.abs(jax.jit(fn)(*args).astype(jnp.float32) - ref).max())
@@ -143,6 +156,8 @@ def prefill_rows(quick: bool, results: Results) -> None:
     cases = [(16, 48)] if quick else [(512, 4096), (2048, 4096), (2048, 16384)]
     interpret = quick or jax.default_backend() != "gpu"
     for chunk, context in tqdm(cases, desc="ragged prefill"):
+        if not results.more():
+            return
         k, v, tables, _ = _pools(1, context, 16, d, "bf16")
         q = jax.random.normal(jax.random.key(3), (chunk, H, d), jnp.bfloat16)
         cu, kv = jnp.asarray([0, chunk], jnp.int32), jnp.asarray([context], jnp.int32)
@@ -223,9 +238,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU smoke run)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    add_budget_args(parser, "paged_attention")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gbs(nbytes=2**24 if args.quick else 2**31)
-    results = Results(args.out / "paged_attention.json", bandwidth)
+    results = Results(args.out / "paged_attention.json", bandwidth, Recorder.from_args(args))
     decode_rows(args.quick, bandwidth, results)
     prefill_rows(args.quick, results)
     plot(results.data["decode"], args.out / "paged_attention.png")

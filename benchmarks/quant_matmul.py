@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from benchmarks.budget import Recorder, add_budget_args
 from benchmarks.common import device_seconds
 from pallas_kernels.quant_matmul import int8_matmul, weight_only_matmul
 from pallas_kernels.quant_matmul_reference import (
@@ -66,13 +66,13 @@ def xla_int4_fusion(x: jax.Array, w: jax.Array, s: jax.Array) -> str:
     return "materialized" if re.search(rf"= bf16\[{k},{n}\]\{{[^}}]*\}} (fusion|convert|multiply)", hlo) else "fused"
 
 
-def run(layers: list[tuple[int, int]], ms: list[int], interpret: bool, budget: float, out: Path) -> list[dict]:
-    rows: list[dict] = []
-    start = time.perf_counter()
+def run(layers: list[tuple[int, int]], ms: list[int], interpret: bool, rec: Recorder, out: Path) -> list[dict]:
+    """One row per (K, N, M), handed to `rec` and saved as measured; no new row past the budget."""
+    rows = rec.rows
     jobs = [(k, n, m) for k, n in layers for m in ms]
     for k, n, m in tqdm(jobs, desc="quantized matmuls", unit="shape"):
-        if time.perf_counter() - start > budget:
-            print(f"budget of {budget:.0f} s spent: {len(jobs) - len(rows)} shapes not run")
+        if not rec.more():
+            print(f"{len(jobs) - len(rows)} shapes not run")
             break
         w = _weights(k, n)
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
@@ -105,7 +105,7 @@ def run(layers: list[tuple[int, int]], ms: list[int], interpret: bool, budget: f
         row["xla_int4_fusion"] = xla_int4_fusion(x, w["i4"], w["s4"])
         for name in ("w4a16", "w8a16", "w8a8", "xla_int4"):
             row[f"{name}_speedup"] = row["bf16_us"] / row[f"{name}_us"]
-        rows.append(row)
+        rec.add(row)
         out.mkdir(parents=True, exist_ok=True)
         (out / "quant_matmul.json").write_text(json.dumps(rows, indent=2))
         print(
@@ -140,12 +140,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke)")
-    parser.add_argument("--budget", type=float, default=40.0, help="seconds after which no new row starts")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    add_budget_args(parser, "quant_matmul")
     args = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     layers, ms = (GPU_LAYERS, GPU_M) if on_gpu and not args.quick else (QUICK_LAYERS, QUICK_M)
-    rows = run(layers, ms, interpret=not on_gpu, budget=args.budget, out=args.out)
+    rows = run(layers, ms, interpret=not on_gpu, rec=Recorder.from_args(args), out=args.out)
     if rows:
         plot(rows, args.out / "quant_matmul.png")
     print("\nquantized matmul speedup over bf16 jnp.dot (device time)")

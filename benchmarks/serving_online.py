@@ -57,7 +57,7 @@ async def one_request(
     client: httpx.AsyncClient,
     url: str,
     model: str,
-    prompt: str,
+    prompt: str | list[int],
     max_tokens: int,
     drop_after: int | None,
     api_key: str | None,
@@ -118,7 +118,7 @@ async def one_request(
 async def run_load(
     url: str,
     model: str,
-    prompts: list[str],
+    prompts: list[str] | list[list[int]],
     *,
     rate: float | None,
     arrival: str,
@@ -133,7 +133,7 @@ async def run_load(
     sem = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
 
-        async def task(prompt: str) -> Result:
+        async def task(prompt: str | list[int]) -> Result:
             drop = int(rng.integers(1, 4)) if rng.random() < drop_fraction else None
             async with sem:
                 return await one_request(client, url, model, prompt, max_tokens, drop, api_key)

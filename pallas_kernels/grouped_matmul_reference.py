@@ -12,5 +12,7 @@ def grouped_matmul_reference(
 ) -> Float[Array, "M N"]:
     """out[r] = lhs[r] @ rhs[g] for the rows r of group g (groups are consecutive runs of rows, sizes
     `group_sizes`); rows past sum(group_sizes) are zero. jax.lax.ragged_dot, float32 accumulation."""
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(
+        lhs, rhs, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
     return out.astype(lhs.dtype)

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import quantize
+from tests.kernels.tolerances import f32_atol
 
 D = 32
 QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -56,7 +57,7 @@ class Pool:
 
 
 def tolerance(dtype):
-    return 2e-2 if dtype == "bfloat16" else 1e-5
+    return 2e-2 if dtype == "bfloat16" else f32_atol(1e-5)
 
 
 def query_dtype(dtype):

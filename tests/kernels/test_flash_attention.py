@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import BlockSizes, dot_product_attention, flash_attention, mha_reference
+from tests.kernels.tolerances import f32_atol
 
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
 
@@ -87,9 +88,9 @@ def test_traced_query_offset_matches_positions(offset):
 
     (_, out), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2), has_aux=True))(q, k, v, jnp.int32(offset))
     (_, want), want_grads = jax.value_and_grad(ref, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    np.testing.assert_allclose(out, want, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(out, want, atol=f32_atol(1e-5) * float(jnp.abs(want).max()))
     for name, g, w in zip("qkv", grads, want_grads):
-        np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, float(jnp.abs(w).max())), err_msg=f"d{name}")
+        np.testing.assert_allclose(g, w, atol=f32_atol(1e-5) * max(1.0, float(jnp.abs(w).max())), err_msg=f"d{name}")
 
 
 def test_sliding_window_softcap_and_segments():
@@ -110,7 +111,9 @@ def test_odd_head_dim_is_padded():
 
 def test_dispatcher_selects_pallas():
     q, k, v, _ = _inputs(1, 24, 24, 4, 2, 16, jnp.float32, seed=7)
-    np.testing.assert_allclose(dot_product_attention(q, k, v, impl="pallas"), mha_reference(q, k, v), atol=1e-5)
+    np.testing.assert_allclose(
+        dot_product_attention(q, k, v, impl="pallas"), mha_reference(q, k, v), atol=f32_atol(1e-5)
+    )
 
 
 def test_bad_arguments():

@@ -13,6 +13,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla, tile_tokens
 from pallas_kernels.split_merge import merge_splits, merge_splits_reference
 from tests.kernels.paged_pools import QUANTIZED, D, Pool, query_dtype, tolerance
+from tests.kernels.tolerances import f32_atol
 
 
 @pytest.mark.parametrize(
@@ -289,7 +290,7 @@ def test_reused_block_never_leaks_old_contents():
     got = ragged_paged_attention(q, cache.k, cache.v, bt, cu, kv, block_q=4)
     fresh = PagedKVCache.zeros(1, bs, kh, D, jnp.float32).write(kb, vb, jnp.arange(3))
     want = ragged_paged_attention_reference(q, fresh.k, fresh.v, jnp.asarray([[0]]), cu, kv)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got, want, atol=f32_atol(1e-5))
 
 
 def test_cache_write_drops_padding_and_donates():
@@ -349,11 +350,11 @@ def test_dispatcher_decode_and_ragged_entries():
         impl: dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl=impl)
         for impl in ("pallas", "xla", "reference")
     }
-    np.testing.assert_allclose(got["pallas"], got["reference"], atol=1e-5)
-    np.testing.assert_allclose(got["xla"], got["reference"], atol=1e-5)
+    np.testing.assert_allclose(got["pallas"], got["reference"], atol=f32_atol(1e-5))
+    np.testing.assert_allclose(got["xla"], got["reference"], atol=f32_atol(1e-5))
     cu = jnp.asarray([0, 1, 2])
     meta = PagedMetadata(jnp.full((2,), -1), pool.block_tables, cu, pool.kv_lens, max_q_len=1)
-    np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), got["reference"], atol=1e-5)
+    np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), got["reference"], atol=f32_atol(1e-5))
     planned = PagedMetadata(
         meta.slot_mapping,
         meta.block_tables,
@@ -362,7 +363,7 @@ def test_dispatcher_decode_and_ragged_entries():
         1,
         tile_plan(np.asarray(cu), np.asarray(pool.kv_lens), np.asarray(pool.block_tables), 8, 2, 1, np),
     )
-    np.testing.assert_allclose(dispatch_ragged(q, cache, planned, impl="xla"), got["reference"], atol=1e-5)
+    np.testing.assert_allclose(dispatch_ragged(q, cache, planned, impl="xla"), got["reference"], atol=f32_atol(1e-5))
     with pytest.raises(ValueError, match="paged attention impl"):
         dispatch_decode(q, cache, pool.block_tables, pool.kv_lens, impl="cudnn")
 
@@ -379,4 +380,4 @@ def test_dispatcher_splits_long_decodes_and_matches_reference():
     q = jax.random.normal(jax.random.key(12), (2, 4, D))
     meta = PagedMetadata(jnp.full((2,), -1), pool.block_tables, jnp.asarray([0, 1, 2]), pool.kv_lens, max_q_len=1)
     want = paged_attention_reference(q, **pool.clean, block_tables=pool.block_tables, context_lens=pool.kv_lens)
-    np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), want, atol=1e-5)
+    np.testing.assert_allclose(dispatch_ragged(q, cache, meta, impl="pallas"), want, atol=f32_atol(1e-5))

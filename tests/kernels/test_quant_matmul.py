@@ -15,6 +15,7 @@ from pallas_kernels.quant_matmul_reference import (
     unpack_int4,
     weight_only_matmul_reference,
 )
+from tests.kernels.tolerances import f32_atol
 
 
 def random_weight(rng, k, n, bits, group, symmetric):
@@ -89,7 +90,9 @@ def test_weight_only_matmul_explicit_tiles():
     x = jnp.asarray(rng.standard_normal((33, 128)), jnp.float32)
     tiles = MatmulTiles(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
     out = weight_only_matmul(x, q, s, z, bits=8, tiles=tiles)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=8)), atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=8)), atol=f32_atol(1e-4)
+    )
 
 
 def test_weight_only_matmul_refuses_bad_shapes():
@@ -134,5 +137,5 @@ def test_weight_only_matmul_is_jittable():
     x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
     f = jax.jit(lambda x: weight_only_matmul(x, q, s, z, bits=4))
     np.testing.assert_allclose(
-        np.asarray(f(x)), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=4)), atol=1e-5
+        np.asarray(f(x)), np.asarray(weight_only_matmul_reference(x, q, s, z, bits=4)), atol=f32_atol(1e-5)
     )

@@ -1,0 +1,81 @@
+"""Start-up as a user meets it: seconds from `jaxinfra serve --config configs/serve/cpu.yaml` to /health
+and to the first completion answered, with an empty persistent compilation cache (a fresh folder) and
+then with that folder warm; also the step shapes the core compiled by then and in all.
+
+    python -m benchmarks.serve_first_answer [--config configs/serve/cpu.yaml] [--runs cold warm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.serving_vs_vllm import free_port
+from jaxinfra.loading import DEFAULT_MODEL_NAME
+
+POLL_S = 0.2
+BODY = {"model": DEFAULT_MODEL_NAME, "prompt": "And God said", "max_tokens": 40, "temperature": 0}
+
+
+def first_answer(config: str, cache_dir: str, log: Path, timeout: float) -> dict:
+    """Start the server on `cache_dir`, time /health and the first completion, then stop it (its whole
+    process group, also when this raises)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxinfra", "serve", "--config", config, "--port", str(port)]
+    cmd += ["--compilation-cache-dir", cache_dir]
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            health = None
+            while time.monotonic() - t0 < timeout:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if health is None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        health = time.monotonic() - t0
+                    if health is not None:
+                        reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=timeout)
+                        if reply.status_code == 200:
+                            answer = time.monotonic() - t0
+                            status = httpx.get(f"{url}/status", timeout=10).json()
+                            return dict(
+                                health_s=health,
+                                answer_s=answer,
+                                text=reply.json()["choices"][0]["text"],
+                                **{k: v for k, v in status.items() if "shape" in k},
+                            )
+                time.sleep(POLL_S)
+            raise RuntimeError(f"no answer in {timeout:.0f} s; see {log}")
+        finally:
+            os.killpg(proc.pid, 15)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+
+
+def main() -> None:
+    """Run cold, then warm, on one fresh cache folder; print a row each."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/serve/cpu.yaml")
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="jax-cache-") as cache:
+        for run in args.runs:
+            row = first_answer(args.config, cache, Path(cache).parent / f"first_answer_{run}.log", args.timeout)
+            print(f"{run}: {row}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

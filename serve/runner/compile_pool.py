@@ -30,7 +30,8 @@ class CompilePool:
     def __init__(self, ready: ReadyShapes, threads: int, total: int) -> None:
         self.ready = ready
         self.total = total
-        self._jobs: queue.Queue[tuple[Shape, Callable[[], object]]] = queue.Queue()
+        self.threads = threads
+        self._jobs: queue.Queue[tuple[Shape, Callable[[], object]] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._bar = tqdm(total=total, desc="compiling step shapes", unit="shape", leave=False)
         for i in range(threads):
@@ -41,9 +42,18 @@ class CompilePool:
         for job in jobs:
             self._jobs.put(job)
 
+    def finish(self) -> None:
+        """No more jobs: each thread ends once those queued are done."""
+        for _ in range(self.threads):
+            self._jobs.put(None)
+
     def _work(self) -> None:
         while True:
-            shape, compile_shape = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            shape, compile_shape = job
             try:
                 if self._error is None:
                     compile_shape()

@@ -8,6 +8,7 @@ soon as the largest shape of each kind is compiled.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import NamedTuple
 
 
@@ -52,6 +53,9 @@ class ReadyShapes:
         """Mark `shape` compiled (thread-safe)."""
         with self._lock:
             self._ready = self._ready | {shape}  # a new set: readers iterate the old one unlocked
+
+    def __iter__(self) -> Iterator[Shape]:
+        return iter(self._ready)
 
     def __contains__(self, shape: Shape) -> bool:
         return shape in self._ready

@@ -124,6 +124,7 @@ def warm_up(runner: ModelRunner, background: bool = False, threads: int = 0) -> 
     jobs = [(s, compile_job(runner, s, state)) for s in rest]  # built before serving: they read the persistent batch
     pool.wait()
     pool.submit(jobs)
+    pool.finish()
     if not background:
         pool.wait()
     return pool

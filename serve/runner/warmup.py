@@ -14,20 +14,59 @@ warm-up always did: its proposer's jitted calls are made inside the step's dispa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from serve.host_transfer import pack
+from jaxinfra.config import ModelConfig
+from serve.host_transfer import Layout, pack
+from serve.runner.batch import SlotTable
 from serve.runner.compile_pool import CompilePool, default_threads
-from serve.runner.ready_shapes import Shape, resample_shape
+from serve.runner.inflight import InFlight
+from serve.runner.inputs import InputBuilder, StepBatch
+from serve.runner.ready_shapes import ReadyShapes, Shape, resample_shape
 from serve.spec_decode.verify_batch import verify_arrays
 from serve.structured_output import bitmask_words
 
-if TYPE_CHECKING:
-    from serve.runner.model_runner import ModelRunner
+
+class Runner(Protocol):
+    """What warm-up reads of serve.runner.model_runner.ModelRunner (which imports this module)."""
+
+    cfg: ModelConfig
+    num_scheduler_steps: int
+    num_speculative_tokens: int
+    seq_buckets: list[int]
+    width_buckets: list[int]
+    slots: SlotTable
+    inputs: InputBuilder
+    ready: ReadyShapes
+    weights: list
+    kv_cache: Any
+    prev_tokens: jax.Array
+    _no_prev: jax.Array
+    _step: Any  # the jitted calls
+    _multi: Any
+    _resample: Any
+    _verify: Any
+
+    @property
+    def draft(self) -> object | None: ...
+
+    @property
+    def eagle(self) -> object | None: ...
+
+    def shapes(self) -> list[tuple[int, int, int, int]]: ...
+
+    def verify_shapes(self) -> list[tuple[int, int, int, int]]: ...
+
+    def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch: ...
+
+    def dispatch(self, batch: StepBatch) -> InFlight: ...
+
+    @staticmethod
+    def _loop_buffers(batch: StepBatch) -> tuple[dict[str, np.ndarray], Layout]: ...
 
 
 def abstract(tree: Any) -> Any:
@@ -43,7 +82,7 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def shape_groups(runner: ModelRunner) -> list[list[Shape]]:
+def shape_groups(runner: Runner) -> list[list[Shape]]:
     """Every shape warm-up compiles, in groups of one call and one query layout: decode steps, steps
     with a prompt chunk, decode loops (num_scheduler_steps > 1), resamplers, and verify steps with a
     prompt chunk and with k + 1 tokens a row (speculative decoding)."""
@@ -73,7 +112,7 @@ def ordered(groups: list[list[Shape]]) -> tuple[list[Shape], list[Shape]]:
     return first, rest
 
 
-def compile_job(runner: ModelRunner, shape: Shape, state: tuple[Any, Any, Any]) -> Callable[[], object]:
+def compile_job(runner: Runner, shape: Shape, state: tuple[Any, Any, Any]) -> Callable[[], object]:
     """The call that compiles `shape` given the abstract (weights, KV pools, previous tokens); its
     other arguments are made here, on the calling thread (a dummy batch's columns come from the
     runner's persistent batch, which the step loop also uses)."""
@@ -109,7 +148,7 @@ def compile_job(runner: ModelRunner, shape: Shape, state: tuple[Any, Any, Any]) 
     return lambda: runner._step.lower(weights, kv, buffers, prev, layout=layout, max_q_len=q).compile()
 
 
-def warm_up(runner: ModelRunner, background: bool = False, threads: int = 0) -> CompilePool | None:
+def warm_up(runner: Runner, background: bool = False, threads: int = 0) -> CompilePool | None:
     """Compile every step shape on `threads` threads (0: one per core, up to 8); with `background`,
     return once the largest of each group is compiled and leave the others to the pool, whose
     `wait()` finishes them. Returns the pool (None with a device proposer: all compiled by then)."""
@@ -130,7 +169,7 @@ def warm_up(runner: ModelRunner, background: bool = False, threads: int = 0) -> 
     return pool
 
 
-def warm_up_by_dispatch(runner: ModelRunner) -> None:
+def warm_up_by_dispatch(runner: Runner) -> None:
     """Run every shape once, one after the other (a runner with a device proposer): the steps, the
     decode loops, the resampler per sequence bucket and the verify steps."""
     jobs = [runner.dummy(*shape) for shape in runner.shapes()]

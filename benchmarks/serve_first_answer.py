@@ -49,13 +49,10 @@ def first_answer(config: str, cache_dir: str, log: Path, timeout: float, flags: 
                         reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=timeout)
                         if reply.status_code == 200:
                             answer = time.monotonic() - t0
-                            status = httpx.get(f"{url}/status", timeout=10).json()
-                            return dict(
-                                health_s=health,
-                                answer_s=answer,
-                                text=reply.json()["choices"][0]["text"],
-                                **{k: v for k, v in status.items() if "shape" in k},
-                            )
+                            shapes = httpx.get(f"{url}/status", timeout=10).json()["step_shapes"]
+                            text = reply.json()["choices"][0]["text"]
+                            done = all_compiled(url, t0)
+                            return dict(health_s=health, answer_s=answer, shapes_at_answer=shapes, **done, text=text)
                 time.sleep(POLL_S)
             raise RuntimeError(f"no answer in {timeout:.0f} s; see {log}")
         finally:

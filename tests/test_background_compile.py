@@ -2,7 +2,11 @@
 padding to compiled shapes, with the outputs of a fully warmed engine; once the rest have compiled,
 nothing compiles again (not even in XLA: the abstract compilations fill the jitted calls' caches)."""
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from jax import monitoring
@@ -80,6 +84,31 @@ def test_a_failed_compilation_is_raised_by_wait_compiled(monkeypatch):
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         runner.wait_compiled()
     assert not runner.ready.complete
+
+
+TENSOR_PARALLEL = """
+from jax import monitoring
+compiles = [0]
+event = "/jax/core/compile/backend_compile_duration"
+monitoring.register_event_duration_secs_listener(lambda e, _s, **_: compiles.__setitem__(0, compiles[0] + (e == event)))
+from tests.serve_helpers import GREEDY, engine, prompts, run
+eng = engine(tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+eng.core.runner.warmup()
+before = compiles[0]
+run(eng, {0: [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts([5, 40, 17], seed=2))]})
+print("compiled after warm-up:", compiles[0] - before)
+"""
+
+
+def test_tensor_parallel_steps_compile_nothing_after_warm_up():
+    """Sharded arguments: the abstract compilations are the calls' own (the first step's previous
+    tokens too, placed as the steps place theirs), on two CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", TENSOR_PARALLEL], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert "compiled after warm-up: 0" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 def test_compile_threads_must_not_be_negative():

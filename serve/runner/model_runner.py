@@ -187,6 +187,9 @@ class ModelRunner:
             self.ready,
         )
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
+        if mesh is not None:  # placed as the steps place their sampled tokens, so the first step's call is theirs
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._no_prev = jax.device_put(self._no_prev, replicated)
         self.prev_tokens = self._no_prev  # the last single step's sampled tokens, on device
         d = self.device
         self._step = jax.jit(d.step, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))

@@ -116,6 +116,12 @@ class EngineArgs:
     core, XLA's default."""
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     """JAX's persistent compilation cache ("" = off)."""
+    background_compile: bool = True
+    """Report ready once warm-up has compiled the largest step shape of each kind (every batch fits one,
+    padded) and compile the others on background threads, batches padding to the smallest compiled
+    shape that holds them meanwhile; off: every shape is compiled before the server answers."""
+    compile_threads: int = 0
+    """Threads that compile step shapes at warm-up (0: one per core, up to 8)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -143,7 +149,7 @@ class EngineArgs:
         for name in ("max_num_seqs", "tensor_parallel_size", "expert_parallel_size", "num_scheduler_steps"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive int")
-        for name in ("prefill_tokens_per_decode", "cpu_reserved_cores"):
+        for name in ("prefill_tokens_per_decode", "cpu_reserved_cores", "compile_threads"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "must be an int >= 0")
         if not is_int(self.seed):
@@ -154,7 +160,13 @@ class EngineArgs:
             or not 0 < self.gpu_memory_utilization <= 1
         ):
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "enable_expert_parallel"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "async_scheduling",
+            "enable_expert_parallel",
+            "background_compile",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         tp = self.tensor_parallel_size

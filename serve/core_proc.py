@@ -89,7 +89,7 @@ def build_core(
     args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool, stream: LoopTokenStream | None = None
 ) -> EngineCore:
     """Load the model and build (and optionally warm up) an EngineCore; `stream`: its decode loops'
-    tokens are streamed through it."""
+    tokens are streamed through it. With args.background_compile, warm-up goes on after this returns."""
     enable_compilation_cache(args.compilation_cache_dir)
     model = load_model(
         args.model,
@@ -102,7 +102,7 @@ def build_core(
     if stream is not None:
         core.stream_loops(stream)
     if warmup:
-        core.runner.warmup()
+        core.runner.warmup(args.background_compile, args.compile_threads)
     return core
 
 

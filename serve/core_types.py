@@ -68,6 +68,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_decoding: SpecDecodingStats | None = None  # speculative decoding's counters, when on
     kv_transfer: KVTransferStats | None = None  # disaggregation's transfer counters, with a KV connector
     expert_load: ExpertLoadStats | None = None  # MoE models: token copies per expert
+    shapes_compiled: int = 0  # step shapes warm-up has compiled so far (it goes on while the core serves)
+    shapes_total: int = 0  # step shapes warm-up compiles (0: no warm-up, or one that ran each shape)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True):

@@ -295,6 +295,7 @@ class EngineCore:
     # --- introspection ----------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
+        compiled, total = self.runner.shapes_compiled
         return SchedulerStats(
             len(self.scheduler.running),
             len(self.scheduler.waiting),
@@ -308,6 +309,8 @@ class EngineCore:
             self.scheduler.spec.stats if self.scheduler.spec is not None else None,
             kv_transfer=self.kv_transfer.connector.get_kv_connector_stats() if self.kv_transfer is not None else None,
             expert_load=self.expert_load.stats() if self.expert_load is not None else None,
+            shapes_compiled=compiled,
+            shapes_total=total,
         )
 
     def check_invariants(self) -> None:

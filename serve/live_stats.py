@@ -137,6 +137,7 @@ class LiveStats:
             "prefix_cache_hit_rate": hit_rate,
             "preemptions": s.num_preemptions if s else 0,
             "expert_load": s.expert_load.summary() if s and s.expert_load else None,
+            "step_shapes": {"compiled": s.shapes_compiled, "total": s.shapes_total} if s else None,
             "history": list(self.points),
             "slowest_requests": [
                 {

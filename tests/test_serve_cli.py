@@ -43,6 +43,8 @@ NON_DEFAULT = dict(
     num_scheduler_steps=4,
     scheduling_policy="priority",
     compilation_cache_dir="",
+    background_compile=False,
+    compile_threads=3,
 )
 
 

@@ -1,8 +1,9 @@
 """The model runner, one role a file: `sizing` (step buckets, KV pool size), `batch` (the persistent
 batch of per-sequence rows), `inputs` (a SchedulerOutput turned into a step's padded arrays),
 `device_step` (the jitted forward, sampling, verify, resample and decode loop), `inflight` (a
-dispatched step and its results) and `model_runner` (weights and pools placed, steps dispatched,
-warm-up)."""
+dispatched step and its results), `model_runner` (weights and pools placed, steps dispatched),
+`warmup` (what warm-up compiles, from abstract arguments), `compile_pool` (the threads that compile
+it) and `ready_shapes` (the compiled shapes, and the smallest one a batch fits)."""
 
 from serve.runner.batch import SlotTable
 from serve.runner.inflight import InFlight

@@ -14,6 +14,7 @@ from pallas_kernels.paged_tiles import TilePlan, kernel_work_list
 from pallas_kernels.ragged_paged_attention import kernel_tile_tokens
 from pallas_kernels.ragged_paged_attention_xla import tile_tokens
 from serve.runner.batch import SlotTable
+from serve.runner.ready_shapes import ReadyShapes, Shape
 from serve.runner.sizing import fit
 from serve.sampler import SamplingTensors
 from serve.sequence import Sequence
@@ -76,6 +77,7 @@ class InputBuilder:
     attn_impl: str
     kernel_shape: tuple[int, int, bool]  # the Pallas kernel's (query heads per KV head, head dim, quantized KV)
     verify_min_rows: int = 1  # a verify step's rows are padded to at least this many
+    ready: ReadyShapes = dataclasses.field(default_factory=ReadyShapes)  # what a batch may pad to during warm-up
     prev_row: np.ndarray = dataclasses.field(init=False)  # per slot: its row in the last dispatched step
 
     def __post_init__(self) -> None:
@@ -104,13 +106,18 @@ class InputBuilder:
         padded_rows = min(max(n_seq, self.verify_min_rows), self.seq_buckets[-1]) if per_row > 1 else n_seq
         sb = fit(padded_rows, self.seq_buckets if per_row else self.mixed_seq_buckets)
         tb = sb * per_row if per_row else fit(n_tok, self.token_buckets)
+        width = fit(int(table.num_blocks[rows].max()), self.width_buckets)
+        resample = sched.budgets is None and bool(table.resample[rows].any())
+        if not self.ready.complete:  # warm-up still compiling: the smallest compiled shape that holds it
+            kind = "loop" if sched.budgets is not None else "verify" if sched.draft_ids is not None else "step"
+            need = Shape(kind, tb, sb, width, per_row or tb)
+            _, tb, sb, width, _ = self.ready.pick(need, mixed=not per_row, resample=resample)
         cu = np.zeros(sb + 1, np.int32)
         np.cumsum(counts, out=cu[1 : n_seq + 1])
         cu[n_seq + 1 :] = cu[n_seq]
         seq_of_tok = np.repeat(np.arange(n_seq), counts)
         positions = np.zeros(tb, np.int32)
         positions[:n_tok] = starts[seq_of_tok] + np.arange(n_tok) - cu[seq_of_tok]
-        width = fit(int(table.num_blocks[rows].max()), self.width_buckets)
         block_tables = np.zeros((sb, width), np.int32)
         block_tables[:n_seq] = table.blocks[rows, :width]
         input_ids = np.zeros(tb, np.int32)
@@ -168,7 +175,7 @@ class InputBuilder:
         batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs, rows=rows)
         if sched.draft_ids is not None:
             batch.spec = verify_arrays(sched.draft_ids, logits_indices[:n_seq], sb)
-        if budget is None and table.resample[rows].any():
+        if resample:
             batch.history = self.history(seqs, sb)
             batch.bias = table.bias(rows, sb)
             samples = sched.samples

@@ -1,5 +1,5 @@
 """ModelRunner: places the weights and KV pools, turns each SchedulerOutput into a step batch and
-dispatches the jitted device step; compiles every step shape at warm-up.
+dispatches the jitted device step; compiles every step shape at warm-up (serve.runner.warmup).
 
 Steps are dispatched asynchronously: `dispatch` returns at once and `InFlight.fetch` waits; a
 decode whose previous token is still on the device reads it there. A decode-only batch may run
@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
-from tqdm import tqdm
 
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import EagleHead
@@ -26,14 +25,16 @@ from pallas_kernels.kv_quant import is_quantized_kv
 from serve.config import kv_storage_dtype
 from serve.host_transfer import Layout, pack
 from serve.runner.batch import SlotTable
+from serve.runner.compile_pool import CompilePool
 from serve.runner.device_step import DeviceStep
 from serve.runner.inflight import InFlight
 from serve.runner.inputs import DRAFT_VERIFY_MIN_ROWS, InputBuilder, StepBatch
+from serve.runner.ready_shapes import ReadyShapes
 from serve.runner.sizing import buckets, fit
+from serve.runner.warmup import warm_up
 from serve.runner.weight_sync import engine_layout, place_like
 from serve.spec_decode.draft_model import DraftModelRunner
 from serve.spec_decode.eagle import EagleRunner
-from serve.spec_decode.verify_batch import verify_arrays
 from serve.step_data import SchedulerOutput
 from serve.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, named_sharding, shard_state, tensor_parallel_mesh
@@ -178,6 +179,8 @@ class ModelRunner:
         # 16 pages a narrower table saves less than its compiled shapes cost at start-up.
         self.width_buckets = buckets(self.max_blocks, min(16, self.max_blocks), factor=4)
         self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
+        self.ready = ReadyShapes()  # the compiled shapes batches pad to while warm-up runs
+        self.compile_pool: CompilePool | None = None
         pool = self.kv_cache.k
         self.inputs = InputBuilder(
             self.slots,
@@ -190,8 +193,12 @@ class ModelRunner:
             self.attn_impl,
             (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
             DRAFT_VERIFY_MIN_ROWS if self.draft is not None else 1,
+            self.ready,
         )
         self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
+        if mesh is not None:  # placed as the steps place their sampled tokens, so the first step's call is theirs
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._no_prev = jax.device_put(self._no_prev, replicated)
         self.prev_tokens = self._no_prev  # the last single step's sampled tokens, on device
         d = self.device
         self._step = jax.jit(d.step, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
@@ -373,26 +380,20 @@ class ModelRunner:
         """An empty batch of the given shape (what warm-up compiles)."""
         return self.inputs.dummy(tb, sb, width, q, num_steps)
 
-    def warmup(self) -> None:
-        """Compile every step shape (`shapes()`), the resampler per sequence bucket and, with
-        num_scheduler_steps > 1, the decode loop per decode shape."""
-        jobs = [self.dummy(*shape) for shape in self.shapes()]
-        if self.num_scheduler_steps > 1:
-            jobs += [
-                self.dummy(sb, sb, w, 1, self.num_scheduler_steps)
-                for sb in self.seq_buckets
-                for w in self.width_buckets
-            ]
-        for sb in self.seq_buckets:
-            batch = self.dummy(sb, sb, self.width_buckets[0], 1)
-            batch.history = self.inputs.history([], sb)
-            jobs.append(batch)
-        k = self.num_speculative_tokens
-        for tb, sb, w, q in self.verify_shapes():
-            batch = self.dummy(tb, sb, w, q)
-            batch.spec = verify_arrays(np.zeros((0, k), np.int32), np.zeros(0, np.int32), sb)
-            jobs.append(batch)
-        for batch in tqdm(jobs, desc="compiling step shapes", unit="shape", leave=False):
-            self.dispatch(batch)
-        jax.block_until_ready(self.kv_cache)
-        self.prev_tokens = self._no_prev
+    def warmup(self, background: bool = False, threads: int = 0) -> None:
+        """Compile every step shape (`shapes()`), the resampler per sequence bucket, with
+        num_scheduler_steps > 1 the decode loop per decode shape, and the verify shapes, on `threads`
+        threads (0: one per core, up to 8). With `background`, return once the largest shape of each
+        kind is compiled: batches pad to compiled shapes while the rest compile (`wait_compiled`)."""
+        self.compile_pool = warm_up(self, background, threads)
+
+    def wait_compiled(self) -> None:
+        """Block until warm-up has compiled every shape (at once without a background warm-up)."""
+        if self.compile_pool is not None:
+            self.compile_pool.wait()
+
+    @property
+    def shapes_compiled(self) -> tuple[int, int]:
+        """(compiled, total) step shapes of the last warm-up ((0, 0) before one, or for one by dispatch)."""
+        pool = self.compile_pool
+        return (0, 0) if pool is None else (len(self.ready), pool.total)

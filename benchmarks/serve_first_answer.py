@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serving_vs_vllm import free_port
+from benchmarks.serving_vs_vllm import free_port, running
 from jaxinfra.loading import DEFAULT_MODEL_NAME
 
 POLL_S = 0.2
@@ -29,38 +27,31 @@ BODY = {"model": DEFAULT_MODEL_NAME, "prompt": "And God said", "max_tokens": 40,
 
 def first_answer(config: str, cache_dir: str, log: Path, timeout: float, flags: list[str]) -> dict:
     """Start the server on `cache_dir` (with `flags`), time /health, the first completion and the
-    last step shape compiled, then stop it (its whole process group, also when this raises)."""
+    last step shape compiled, then stop it (its whole process group, also when this raises or is
+    sent SIGTERM)."""
     port = free_port()
     cmd = [sys.executable, "-m", "jaxinfra", "serve", "--config", config, "--port", str(port)]
     cmd += ["--compilation-cache-dir", cache_dir, *flags]
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            health = None
-            while time.monotonic() - t0 < timeout:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if health is None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        health = time.monotonic() - t0
-                    if health is not None:
-                        reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=timeout)
-                        if reply.status_code == 200:
-                            answer = time.monotonic() - t0
-                            shapes = httpx.get(f"{url}/status", timeout=10).json()["step_shapes"]
-                            text = reply.json()["choices"][0]["text"]
-                            done = all_compiled(url, t0)
-                            return dict(health_s=health, answer_s=answer, shapes_at_answer=shapes, **done, text=text)
-                time.sleep(POLL_S)
-            raise RuntimeError(f"no answer in {timeout:.0f} s; see {log}")
-        finally:
-            os.killpg(proc.pid, 15)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+    with running(cmd, {}, log) as proc:
+        health = None
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if health is None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    health = time.monotonic() - t0
+                if health is not None:
+                    reply = httpx.post(f"{url}/v1/completions", json=BODY, timeout=timeout)
+                    if reply.status_code == 200:
+                        answer = time.monotonic() - t0
+                        shapes = httpx.get(f"{url}/status", timeout=10).json()["step_shapes"]
+                        text = reply.json()["choices"][0]["text"]
+                        done = all_compiled(url, t0)
+                        return dict(health_s=health, answer_s=answer, shapes_at_answer=shapes, **done, text=text)
+            time.sleep(POLL_S)
+        raise RuntimeError(f"no answer in {timeout:.0f} s; see {log}")
 
 
 def all_compiled(url: str, t0: float) -> dict:

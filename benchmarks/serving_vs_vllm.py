@@ -53,27 +53,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], port: int, env: dict[str, str], log: Path, timeout: float = 1200):
-    """Start a server, wait until /health answers 200, stop it afterwards: on normal exit, on an exception,
-    and on SIGTERM or SIGINT of this process (either raises here, so the `finally` stops the server's
-    whole process group instead of leaving it orphaned)."""
+def running(cmd: list[str], env: dict[str, str], log: Path):
+    """Start a process in a session of its own (output to `log`) and stop its whole process group
+    afterwards: on normal exit, on an exception, and on SIGTERM or SIGINT of this process (either
+    raises here, so the `finally` runs instead of leaving the group orphaned)."""
     previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{cmd[:3]} exited ({proc.returncode}); see {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{cmd[:3]} did not come up in {timeout:.0f} s; see {log}")
-                time.sleep(1)
-            yield f"http://127.0.0.1:{port}"
+            yield proc
         finally:
             os.killpg(proc.pid, 15)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -81,6 +71,23 @@ def server(cmd: list[str], port: int, env: dict[str, str], log: Path, timeout: f
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], port: int, env: dict[str, str], log: Path, timeout: float = 1200):
+    """Start a server (`running`), wait until /health answers 200, and stop it afterwards."""
+    with running(cmd, env, log) as proc:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:3]} exited ({proc.returncode}); see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[:3]} did not come up in {timeout:.0f} s; see {log}")
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

@@ -29,7 +29,7 @@ $(VENV)/.installed: $(LOCK)
 	$(VENV)/bin/uv pip sync --quiet --python $(VENV)/bin/python --require-hashes $(UV_FIND) $(LOCK)
 	$(VENV)/bin/uv pip install --quiet --python $(VENV)/bin/python --no-deps -e .
 	-$(VENV)/bin/python -m pallas_kernels.cpu_paged_attention  # our CPU attention kernel (without a C++ compiler: XLA's)
-	-$(VENV)/bin/python -m serve.pipe_tap  # the decode loop's C++ token tap (without a C++ compiler: a Python callback)
+	-$(VENV)/bin/python -m serve.core.pipe_tap  # the decode loop's C++ token tap (without a C++ compiler: a Python callback)
 	touch $@
 
 # The main job: the OpenAI-compatible server on the embedded default model (prints how to query it).
@@ -79,7 +79,7 @@ test-latest: $(VENV)/.installed
 	$(VENV)/bin/uv pip install --quiet --python $(VENV_LATEST)/bin/python --upgrade $(UV_FIND) -e ".[dev]"
 	$(VENV)/bin/uv pip freeze --python $(VENV_LATEST)/bin/python > $(VENV_LATEST)/versions.txt
 	-$(VENV_LATEST)/bin/python -m pallas_kernels.cpu_paged_attention
-	-$(VENV_LATEST)/bin/python -m serve.pipe_tap
+	-$(VENV_LATEST)/bin/python -m serve.core.pipe_tap
 	$(VENV_LATEST)/bin/python -m pytest -q $(PYTEST_ARGS) -m "not slow" tests
 
 ci: test test-kernels-newest

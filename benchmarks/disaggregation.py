@@ -25,8 +25,8 @@ import numpy as np
 
 import jaxinfra
 from serve import EngineArgs, SamplingParams
-from serve.core_types import EngineCoreRequest
-from serve.engine_core import EngineCore
+from serve.core.engine_core import EngineCore
+from serve.types import EngineCoreRequest
 
 
 def engine_args(model: str, role: str | None) -> EngineArgs:

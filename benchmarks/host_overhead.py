@@ -25,7 +25,7 @@ import numpy as np
 
 import jaxinfra
 from serve import EngineArgs, LLMEngine, SamplingParams
-from serve.runner import ModelRunner
+from serve.core.runner import ModelRunner
 
 MODEL = "tiny-llama"
 
@@ -68,7 +68,7 @@ def measure(model, tokenizer, running: int, steps: int, no_op: bool) -> dict:
     for _ in range(3):  # the decode shape compiles here
         core.step()
     gc.collect()
-    gc.freeze()  # as the core process does once it is up (serve/core_proc.py)
+    gc.freeze()  # as the core process does once it is up (serve/core/core_proc.py)
     host, cpu = [], []
     for _ in range(steps):
         t0 = time.thread_time()

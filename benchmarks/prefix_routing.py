@@ -15,7 +15,7 @@ import numpy as np
 
 import jaxinfra
 from serve import EngineArgs, LLMEngine, SamplingParams
-from serve.prefix_router import PrefixAwareRouter, RoundRobinRouter
+from serve.scale.prefix_router import PrefixAwareRouter, RoundRobinRouter
 
 MODEL = "tiny-llama"
 BLOCK = 16

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import time_fn
-from serve.sampler import sample, uniform_tensors
+from serve.core.sampler import sample, uniform_tensors
 
 VOCAB = 4096
 

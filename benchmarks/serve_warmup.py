@@ -25,14 +25,14 @@ def measure(layers: int, loop: bool, num_scheduler_steps: int, t0: float) -> dic
     """Build an engine core on a narrow random model and warm it up; seconds and step shapes."""
     from flax import nnx
 
-    import serve.runner.model_runner
+    import serve.core.runner.model_runner
     from jaxinfra.models import LlamaModel
     from jaxinfra.train.compile_cost import narrow_config
     from serve.config import EngineArgs
-    from serve.engine_core import EngineCore
+    from serve.core.engine_core import EngineCore
 
     if loop:  # the unrolled stack serving ran before its layers were scanned
-        serve.runner.model_runner.layer_graph = _refuse
+        serve.core.runner.model_runner.layer_graph = _refuse
     model = LlamaModel(narrow_config(layers), nnx.Rngs(0))
     start = time.perf_counter()
     args = EngineArgs(

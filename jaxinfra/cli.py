@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxinfra import plan_serve
 from jaxinfra.config import DTYPES
 from jaxinfra.loading import DEFAULT_MODEL
 from jaxinfra.sizes import human_size, parse_size
+from serve import plan_serve
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

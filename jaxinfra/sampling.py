@@ -1,6 +1,6 @@
 """Token sampling from logits: greedy, temperature, top-k, top-p (nucleus) and min-p.
 
-The filters take a value per row (or one for all rows); the serving sampler (serve/sampler.py) and
+The filters take a value per row (or one for all rows); the serving sampler (serve/core/sampler.py) and
 the reference generator both use them.
 """
 

@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from serve.config import EngineArgs
-    from serve.engine import LLMEngine
-    from serve.llm import LLM
-    from serve.outputs import CompletionOutput, RequestOutput
+    from serve.engine.llm import LLM
+    from serve.engine.llm_engine import LLMEngine
     from serve.sampling_params import SamplingParams
+    from serve.types import CompletionOutput, RequestOutput
 
 _HOMES = {
     "EngineArgs": "serve.config",
-    "LLMEngine": "serve.engine",
-    "LLM": "serve.llm",
-    "CompletionOutput": "serve.outputs",
-    "RequestOutput": "serve.outputs",
+    "LLMEngine": "serve.engine.llm_engine",
+    "LLM": "serve.engine.llm",
+    "CompletionOutput": "serve.types",
+    "RequestOutput": "serve.types",
     "SamplingParams": "serve.sampling_params",
 }
 __all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -13,8 +13,8 @@ from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
+from serve.core.spec_decode.config import SpeculativeConfig
 from serve.kv_transfer.config import KV_ROLES, KVTransferConfig
-from serve.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", *MODEL_DTYPES)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's names)
@@ -100,7 +100,7 @@ class EngineArgs:
     (weighted fair queueing between the tenants of --api-keys-file, by their `weight`; fcfs within one)."""
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding as vLLM's JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}
-    (see serve/spec_decode/config.py)."""
+    (see serve/core/spec_decode/config.py)."""
     structured_outputs_config: dict[str, Any] | None = None
     """vLLM's structured outputs JSON; the key read is disable_additional_properties (default true: a JSON
     schema's objects that do not say otherwise allow no other keys, as vLLM's default backend; false: JSON

@@ -90,7 +90,7 @@ class SamplingParams:
     output_kind: OutputKind = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
-    # Beam search (serve/beam_search.py; LLM.generate and the HTTP server route these requests there):
+    # Beam search (serve/engine/beam_search.py; LLM.generate and the HTTP server route these requests there):
     use_beam_search: bool = False
     best_of: int | None = None  # beams (default n); the n best are returned
     length_penalty: float = 1.0  # a hypothesis scores sum(logprob) / generated_len ** length_penalty

@@ -1,9 +1,9 @@
-"""What configs/deploy's queries may name: the series our /metrics exports (from serve.metrics' own
+"""What configs/deploy's queries may name: the series our /metrics exports (from serve.http.metrics' own
 registry) and the metric names a PromQL expression uses."""
 
 import re
 
-from serve.metrics import ServerMetrics
+from serve.http.metrics import ServerMetrics
 
 SUFFIXES = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",), "gauge": ("",)}
 PROMQL_WORDS = {"and", "or", "unless", "offset", "bool", "by", "without", "on", "ignoring", "group_left", "group_right"}

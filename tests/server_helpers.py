@@ -12,7 +12,7 @@ import httpx
 from fastapi import FastAPI
 
 from serve import EngineArgs
-from serve.async_engine import AsyncEngine
+from serve.engine.async_engine import AsyncEngine
 from serve.http.app import build_app
 from tests.serve_helpers import ENGINE_DEFAULTS
 

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import pytest
 
-from serve.autoscale import AutoscaleConfig, MetricsSample, SloAutoscaler, target_replicas
+from serve.scale.autoscale import AutoscaleConfig, MetricsSample, SloAutoscaler, target_replicas
 
 CONFIG = AutoscaleConfig(min_replicas=1, max_replicas=6)  # TTFT P95 target 0.45 s; delays 120 s up, 600 s down
 STEP = 10.0

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from jax import monitoring
 
-import serve.runner.warmup
+import serve.core.runner.warmup
 from serve import SamplingParams
 from serve.config import EngineArgs
-from serve.runner.warmup import ordered, shape_groups
+from serve.core.runner.warmup import ordered, shape_groups
 from tests.serve_helpers import GREEDY, engine, prompts, reference, run
 
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_scheduler_steps=4)
@@ -41,7 +41,7 @@ def outputs(eng, ps):
 
 def test_serves_before_every_shape_is_compiled_with_a_warm_engines_outputs(monkeypatch):
     release = threading.Event()
-    held = serve.runner.warmup.compile_job
+    held = serve.core.runner.warmup.compile_job
 
     def gated(runner, shape, state):  # shapes after the first ones wait until released
         job = held(runner, shape, state)
@@ -49,7 +49,7 @@ def test_serves_before_every_shape_is_compiled_with_a_warm_engines_outputs(monke
             return job
         return lambda: (release.wait(), job())
 
-    monkeypatch.setattr(serve.runner.warmup, "compile_job", gated)
+    monkeypatch.setattr(serve.core.runner.warmup, "compile_job", gated)
     eng = engine(**SMALL)
     runner = eng.core.runner
     runner.warmup(background=True, threads=2)
@@ -72,13 +72,13 @@ def test_serves_before_every_shape_is_compiled_with_a_warm_engines_outputs(monke
 
 
 def test_a_failed_compilation_is_raised_by_wait_compiled(monkeypatch):
-    held = serve.runner.warmup.compile_job
+    held = serve.core.runner.warmup.compile_job
 
     def failing(runner, shape, state):
         job = held(runner, shape, state)
         return job if shape in ordered(shape_groups(runner))[0] else lambda: 1 / 0
 
-    monkeypatch.setattr(serve.runner.warmup, "compile_job", failing)
+    monkeypatch.setattr(serve.core.runner.warmup, "compile_job", failing)
     runner = engine(**{**SMALL, "num_scheduler_steps": 1}).core.runner
     runner.warmup(background=True, threads=1)
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):

@@ -10,8 +10,8 @@ import torch
 
 import jaxinfra
 from serve import LLM, SamplingParams
-from serve.beam_search import BeamSearchParams, beam_search_async
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.engine.beam_search import BeamSearchParams, beam_search_async
+from serve.types import CompletionOutput, RequestOutput
 from tests.hf_oracle import make_hf_model, save_hf_model
 
 EOS = 2

@@ -7,10 +7,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from serve import EngineArgs, SamplingParams
-from serve.kv_cache import BlockManager
+from serve.core.kv_cache import BlockManager
+from serve.core.scheduler import Scheduler
+from serve.core.sequence import Sequence, Status
 from serve.kv_transfer.shm_connector import SharedMemoryConnector
-from serve.scheduler import Scheduler
-from serve.sequence import Sequence, Status
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 

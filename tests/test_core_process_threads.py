@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from serve.config import EngineArgs
-from serve.core_client import xla_pool_env
+from serve.engine.core_client import xla_pool_env
 from tests.server_helpers import MODEL_NAME, running_server
 
 

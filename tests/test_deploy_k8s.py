@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from jaxinfra.loading import load_config
-from jaxinfra.plan_serve import GPUS, Device, plan
 from jaxinfra.workload import Workload
-from serve.autoscale import AutoscaleConfig
 from serve.config import EngineArgs
+from serve.plan_serve import GPUS, Device, plan
+from serve.scale.autoscale import AutoscaleConfig
 from tests.deploy_helpers import exported_series, metric_names
 
 K8S = Path(__file__).resolve().parents[1] / "configs" / "deploy" / "k8s"
@@ -204,7 +204,7 @@ def test_scaled_object_scales_the_deployment_on_ttft_p95() -> None:
     assert trigger["type"] == "prometheus" and query.startswith("histogram_quantile(0.95,")
     assert metric_names(query) == {"jaxinfra:time_to_first_token_seconds_bucket"} <= exported_series()
     assert "[2m]" in query
-    policy = AutoscaleConfig()  # the same SLO and delays as serve/autoscale.py's defaults
+    policy = AutoscaleConfig()  # the same SLO and delays as serve/scale/autoscale.py's defaults
     assert float(trigger["metadata"]["threshold"]) == policy.ttft_p95_target_s
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleUp"]["stabilizationWindowSeconds"] == policy.upscale_delay_s

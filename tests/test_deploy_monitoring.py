@@ -1,5 +1,5 @@
 """configs/deploy: the Grafana dashboard and the alert rules name only metrics our server exports
-(collected from serve.metrics' registry); the alert rules pass their promtool unit tests."""
+(collected from serve.http.metrics' registry); the alert rules pass their promtool unit tests."""
 
 import json
 import shutil

@@ -10,7 +10,7 @@ import pytest
 import jaxinfra
 from jaxinfra.loading import DEFAULT_MODEL
 from serve import SamplingParams
-from serve.detokenizer import IncrementalDetokenizer
+from serve.engine.detokenizer import IncrementalDetokenizer
 from tests.server_helpers import MODEL_NAME, running_server
 
 TEXT = "In the beginning — Héllo wörld, 你好 🎉! And God said, Let there be light: and there was light."

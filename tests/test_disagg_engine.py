@@ -10,9 +10,9 @@ import time
 import pytest
 
 from serve import EngineArgs, SamplingParams
-from serve.core_types import EngineCoreRequest
-from serve.engine_core import EngineCore
+from serve.core.engine_core import EngineCore
 from serve.kv_transfer.shm_transport import ShmHandle, release, segment_exists
+from serve.types import EngineCoreRequest
 from tests.serve_helpers import ENGINE_DEFAULTS, model, prompts
 
 PROMPTS = prompts([100, 110, 120, 90, 80, 15], seed=3)

@@ -26,7 +26,7 @@ import pytest
 from fastapi import FastAPI
 
 from serve.http.cli_args import flag
-from serve.kv_transfer.proxy import Proxy, build_proxy_app
+from serve.scale.disagg_proxy import Proxy, build_proxy_app
 from tests.serve_helpers import ENGINE_DEFAULTS
 from tests.server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server, serve_in_thread
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from serve.kv_transfer.balancer import LeastOutstanding
-from serve.kv_transfer.proxy import Proxy, build_proxy_app
+from serve.scale.balancer import LeastOutstanding
+from serve.scale.disagg_proxy import Proxy, build_proxy_app
 from tests.kv_transfer.fake_engines import FakeEngine
 from tests.server_helpers import serve_in_thread
 

@@ -4,11 +4,11 @@ option compiles anything after warm-up, and the prefix cache never shares KV bet
 import numpy as np
 import pytest
 
-import serve.kv_cache
 from serve import LLM, SamplingParams
-from serve.kv_cache import BlockManager
+from serve.core import kv_cache
+from serve.core.kv_cache import BlockManager, block_hash
+from serve.core.sequence import Sequence
 from serve.sampling_params import StructuredOutputsParams
-from serve.sequence import Sequence
 from tests.serve_helpers import GREEDY, engine, prompts, reference, run
 
 LENGTHS = (5, 40, 17, 3, 60, 9)
@@ -147,15 +147,15 @@ def _computed(bm: BlockManager, seq: Sequence) -> Sequence:
 
 
 def test_prefix_keys_are_sha256_and_salted():
-    key = serve.kv_cache.block_hash(None, (1, 2, 3, 4), None)
-    assert len(key) == 32 and key == serve.kv_cache.block_hash(None, (1, 2, 3, 4), None)
-    assert key != serve.kv_cache.block_hash(None, (1, 2, 3, 4), "tenant-a")
-    assert serve.kv_cache.block_hash(key, (5, 6, 7, 8), None) != serve.kv_cache.block_hash(None, (5, 6, 7, 8), None)
+    key = block_hash(None, (1, 2, 3, 4), None)
+    assert len(key) == 32 and key == block_hash(None, (1, 2, 3, 4), None)
+    assert key != block_hash(None, (1, 2, 3, 4), "tenant-a")
+    assert block_hash(key, (5, 6, 7, 8), None) != block_hash(None, (5, 6, 7, 8), None)
 
 
 def test_colliding_keys_never_share_blocks(monkeypatch):
     """With every key equal, a hit must still match the block's tokens, salt and parent."""
-    monkeypatch.setattr(serve.kv_cache, "block_hash", lambda parent, tokens, salt: b"same")
+    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens, salt: b"same")
     bm = BlockManager(32, 4)
     a = _computed(bm, _seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     for tokens, salt, hit in [
@@ -175,7 +175,7 @@ def test_colliding_keys_never_share_blocks(monkeypatch):
 def test_a_hit_needs_the_same_parent(monkeypatch):
     """Keys that ignore the parent (a collision on every block after the first): a block is still
     only shared after the very block its KV was computed behind."""
-    monkeypatch.setattr(serve.kv_cache, "block_hash", lambda parent, tokens, salt: bytes(tokens))
+    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens, salt: bytes(tokens))
     bm = BlockManager(32, 2)
     a = _computed(bm, _seq([1, 2, 3, 4, 9]))
     y = _computed(bm, _seq([5, 6, 3, 4, 9]))  # its [3, 4] block is not keyed: the key is taken

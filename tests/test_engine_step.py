@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from serve import SamplingParams
-from serve.sequence import Sequence
-from serve.step_data import SchedulerOutput
+from serve.core.sequence import Sequence
+from serve.core.step_data import SchedulerOutput
 from tests.serve_helpers import GREEDY, engine, prompts, reference
 
 

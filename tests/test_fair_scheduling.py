@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from serve import EngineArgs, SamplingParams
-from serve.auth import key_digest
-from serve.input_processor import InputProcessor
-from serve.kv_cache import BlockManager
-from serve.scheduler import Scheduler
-from serve.sequence import Sequence
-from serve.tenants import Tenant, load_keys_file
+from serve.core.kv_cache import BlockManager
+from serve.core.scheduler import Scheduler
+from serve.core.sequence import Sequence
+from serve.engine.input_processor import InputProcessor
+from serve.http.auth import key_digest
+from serve.http.tenants import Tenant, load_keys_file
 from tests.server_helpers import MODEL_NAME, metric, running_server
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)

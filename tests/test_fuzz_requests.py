@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from serve.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from serve.http.serving_responses import ResponsesRequest
-from serve.openai_protocol import ChatCompletionRequest, CompletionRequest
 from serve.sampling_params import STRUCTURED_FIELD_TYPES
 from tests.reliability.reliability_helpers import background_streams
 from tests.server_helpers import MODEL_NAME, running_server

@@ -9,10 +9,10 @@ import httpx
 import msgspec
 import pytest
 
-from serve.core_proc import decode_input
-from serve.core_types import EngineCoreOutputs, EngineCoreRequest
+from serve.core.core_proc import decode_input
+from serve.http.tenants import Tenant
 from serve.sampling_params import SamplingParams
-from serve.tenants import Tenant
+from serve.types import EngineCoreOutputs, EngineCoreRequest
 from tests.server_helpers import MODEL_NAME, core_stats, eventually, running_server
 
 TENANTS = {
@@ -27,7 +27,7 @@ OPERATOR = "sk-operator-key"
 
 @pytest.fixture(scope="module")
 def server():
-    from serve.auth import key_digest
+    from serve.http.auth import key_digest
 
     keys = {key_digest(KEYS[n.decode()]): t for n, t in TENANTS.items()}
     with running_server(api_key=OPERATOR, api_keys=keys, max_queue=16, max_num_seqs=8) as (url, app):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi.responses import JSONResponse
 
-from serve.openai_protocol import OpenAIError
+from serve.http.openai_protocol import OpenAIError
 from serve.sampling_params import SamplingParams
 from tests.server_helpers import MODEL_NAME, running_server
 

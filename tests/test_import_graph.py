@@ -89,3 +89,11 @@ def test_no_import_circles():
     graph = import_graph()
     assert len(graph) > 150 and graph["serve.http.main"]
     assert circles(graph) == []
+
+
+def test_serve_has_few_rooms_and_no_file_is_long():
+    """serve/'s top level holds its rooms and the plain data between them; no library file passes 400 lines."""
+    top = [p.name for p in (ROOT / "serve").iterdir() if p.name != "__pycache__"]
+    assert {"core", "engine", "http", "scale", "types.py"} <= set(top) and len(top) <= 12, sorted(top)
+    long = {str(p.relative_to(ROOT)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}

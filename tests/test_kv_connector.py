@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import PagedKVCache
+from serve.core.step_data import SchedulerOutput
 from serve.kv_transfer.base import ALL_LAYERS
 from serve.kv_transfer.shm_connector import SharedMemoryConnector
 from serve.kv_transfer.shm_transport import release, segment_exists
-from serve.step_data import SchedulerOutput
 from tests.kv_transfer.pools import blocks_of, random_pool
 
 PROMPT = list(range(100, 110))  # 10 tokens: 3 blocks of 4
@@ -122,8 +122,8 @@ def test_transfer_counters_on_metrics():
     """A prefill connector's save and offer, a decode connector's load, as /metrics renders them."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from serve.core_types import SchedulerStats
-    from serve.metrics import ServerMetrics
+    from serve.http.metrics import ServerMetrics
+    from serve.types import SchedulerStats
 
     p_conn, d_conn = SharedMemoryConnector(4, role="kv_producer"), SharedMemoryConnector(4, role="kv_consumer")
     params = prefill(p_conn, random_pool("int8", 0), "r3")

@@ -8,18 +8,18 @@ import jax
 import pytest
 
 from jaxinfra.loading import load_config
-from jaxinfra.plan_serve import Device, plan
 from jaxinfra.workload import Workload
 from serve.config import EngineArgs
-from serve.engine_core import EngineCore
-from serve.kv_budget import (
+from serve.core.engine_core import EngineCore
+from serve.core.kv_budget import (
     XLA_SCRATCH_SHARE,
     DeviceMemory,
     kv_pool_bytes,
     step_token_budget,
     step_workspace_bytes,
 )
-from serve.runner.sizing import kv_block_bytes
+from serve.core.runner.sizing import kv_block_bytes
+from serve.plan_serve import Device, plan
 
 GIB = 2**30
 H200 = 143771 * 2**20

@@ -8,7 +8,7 @@ import pytest
 
 from serve.http.cli_args import build_parser, engine_args_from
 from serve.http.generation import Generation
-from serve.openai_protocol import CompletionRequest
+from serve.http.openai_protocol import CompletionRequest
 from tests.test_strict_json import SCHEMA, accepts
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from serve import LLM
-from serve.prompt_inputs import PromptInput, parse_prompts
+from serve.engine.prompt_inputs import PromptInput, parse_prompts
 from tests.serve_helpers import ENGINE_DEFAULTS, GREEDY
 
 IDS = list(range(3, 43))  # 40 tokens: five full blocks of 8

@@ -1,4 +1,4 @@
-"""A decode loop's tokens stream one by one as the loop makes them (serve.loop_stream): in order,
+"""A decode loop's tokens stream one by one as the loop makes them (serve.core.loop_stream): in order,
 never ahead of an earlier step's results, never for rows that finished, never twice; and an engine
 core driven as its process drives it gives streams the same tokens as single steps, one per output."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from serve import SamplingParams
-from serve.core_types import EngineCoreOutput, EngineCoreOutputs
-from serve.loop_stream import LoopTokenStream
-from serve.pipe_tap import TapPipe
+from serve.core.loop_stream import LoopTokenStream
+from serve.core.pipe_tap import TapPipe
+from serve.types import EngineCoreOutput, EngineCoreOutputs
 from tests.serve_helpers import engine, prompts
 
 

@@ -2,11 +2,10 @@
 
 import pytest
 
-from serve.core_types import SchedulerStats
-from serve.metrics import ServerMetrics
-from serve.output_processor import RequestIteration
-from serve.outputs import RequestMetrics
+from serve.engine.output_processor import RequestIteration
+from serve.http.metrics import ServerMetrics
 from serve.sampling_params import SamplingParams
+from serve.types import RequestMetrics, SchedulerStats
 
 # Series that vLLM's example Grafana dashboard and its alert examples query (counters without _total).
 VLLM_SERIES = {

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from serve.http.main import main
-from serve.tenants import load_keys_file
+from serve.http.tenants import load_keys_file
 from tests.headless_chromium import chromium_path, open_page
 from tests.server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server
 

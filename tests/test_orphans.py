@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from benchmarks.serving_vs_vllm import free_port
-from serve.core_client import SOCKET_DIR_PREFIX
-from serve.pids import pid_alive
+from serve.core.pids import pid_alive
+from serve.engine.core_client import SOCKET_DIR_PREFIX
 from tests.server_helpers import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,10 +57,10 @@ def test_a_killed_frontend_leaves_nothing_while_its_core_warms_up(tmp_path):
     port = free_port()
     proc = start_server(["--config", "configs/serve/cpu.yaml", "--port", str(port)], tmp_path / "serve.log")
     try:
-        assert eventually(lambda: any("serve.core_proc" in cmdline(c) for c in children(proc.pid)), timeout=120), (
+        assert eventually(lambda: any("serve.core.core_proc" in cmdline(c) for c in children(proc.pid)), timeout=120), (
             tmp_path / "serve.log"
         ).read_text()[-2000:]
-        core = next(c for c in children(proc.pid) if "serve.core_proc" in cmdline(c))
+        core = next(c for c in children(proc.pid) if "serve.core.core_proc" in cmdline(c))
         time.sleep(3)  # loading the model or compiling its first step shapes
         with pytest.raises(httpx.HTTPError):  # not serving yet: the core is still loading or compiling
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

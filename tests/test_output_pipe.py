@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from serve.output_pipe import HEADER, FrameReader, open_output_pipe, write_frame
+from serve.core.output_pipe import HEADER, FrameReader, open_output_pipe, write_frame
 
 
 def test_frames_arrive_whole_and_in_order():

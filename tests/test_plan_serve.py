@@ -16,12 +16,12 @@ from jaxinfra.config import ModelConfig
 from jaxinfra.loading import DEFAULT_EAGLE_NAME, DEFAULT_MODEL, load_config, load_model, model_dir
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import load_eagle_head
-from jaxinfra.plan_serve import GPUS, Device, eagle_head_bytes, plan, weight_bytes
 from jaxinfra.workload import Workload
 from pallas_kernels import PagedKVCache
 from serve.config import EngineArgs
-from serve.engine_core import EngineCore
-from serve.kv_budget import step_token_budget, step_workspace_bytes
+from serve.core.engine_core import EngineCore
+from serve.core.kv_budget import step_token_budget, step_workspace_bytes
+from serve.plan_serve import GPUS, Device, eagle_head_bytes, plan, weight_bytes
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 TINY = ModelConfig(

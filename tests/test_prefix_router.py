@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.prefix_routing import hit_rate, replicas_of, workload
-from serve.kv_cache import block_hash
-from serve.prefix_router import PrefixAwareRouter, RoundRobinRouter, prompt_block_hashes
+from serve.core.kv_cache import block_hash
+from serve.scale.prefix_router import PrefixAwareRouter, RoundRobinRouter, prompt_block_hashes
 
 
 def test_block_hashes_are_the_engine_chain():

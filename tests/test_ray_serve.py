@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from serve import EngineArgs
-from serve.autoscale import AutoscaleConfig
-from serve.autoscale_args import PoolConfig
-from serve.tool_parsers import ToolConfig
+from serve.http.tool_parsers import ToolConfig
+from serve.scale.autoscale import AutoscaleConfig
+from serve.scale.autoscale_args import PoolConfig
 from tests.serve_helpers import ENGINE_DEFAULTS
 from tests.server_helpers import MODEL_NAME, running_server
 
@@ -91,7 +91,7 @@ def deploy(name: str, replicas: int, autoscale: AutoscaleConfig, **spec_kwargs) 
     called `name` is already there (tests share it in any order)."""
     from ray import serve
 
-    from serve.ray_app import ReplicaSpec, build_ray_app
+    from serve.scale.ray_app import ReplicaSpec, build_ray_app
 
     if DEPLOYED.get("app") == name:
         return
@@ -134,7 +134,7 @@ def test_two_replicas_stream_the_single_servers_greedy_outputs(cluster, expected
 def test_a_killed_replica_loses_no_request_that_had_not_started(cluster, expected):
     import ray
 
-    from serve.ray_app import REPLICA_NAMESPACE
+    from serve.scale.ray_app import REPLICA_NAMESPACE
 
     deploy_two()
     _wait_for(cluster, 2)

@@ -1,7 +1,7 @@
 """The bucket chooser during a background warm-up: a batch takes the smallest compiled shape of its
 call and query layout that holds its tokens, rows and block-table columns."""
 
-from serve.runner.ready_shapes import ReadyShapes, Shape, resample_shape
+from serve.core.runner.ready_shapes import ReadyShapes, Shape, resample_shape
 
 
 def ready(*shapes: Shape) -> ReadyShapes:

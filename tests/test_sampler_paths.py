@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import serve.sampler as sampler
+import serve.core.sampler as sampler
 from jaxinfra.sampling import filter_logits
 from serve import SamplingParams
-from serve.sampler import TOPK_CANDIDATES, SamplingTensors, row_key, row_settings, sample, uniform_tensors
+from serve.core.sampler import TOPK_CANDIDATES, SamplingTensors, row_key, row_settings, sample, uniform_tensors
 
 VOCAB = 4096
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from serve import LLM, EngineArgs, SamplingParams
-from serve.async_engine import AsyncEngine
+from serve.engine.async_engine import AsyncEngine
 from tests.serve_helpers import ENGINE_DEFAULTS, engine, prompts, run
 
 P = prompts([6, 20, 3, 14], seed=21)

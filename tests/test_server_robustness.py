@@ -137,7 +137,7 @@ def test_socket_folders_of_killed_frontends_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from serve.core_client import SOCKET_DIR_PREFIX, remove_stale_socket_dirs
+    from serve.engine.core_client import SOCKET_DIR_PREFIX, remove_stale_socket_dirs
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

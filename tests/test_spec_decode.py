@@ -14,12 +14,12 @@ from jax.scipy.special import gammaincc
 
 from jaxinfra.loading import DEFAULT_MODEL, load_config
 from serve import EngineArgs, SamplingParams
-from serve.kv_cache import BlockManager
-from serve.sampler import ROW_FIELDS, SamplingTensors, apply_penalties, sample
-from serve.scheduler import Scheduler
-from serve.sequence import Sequence
-from serve.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig, rejection_sample
-from serve.spec_decode.config import AUTO_OFF_BATCH_SIZE
+from serve.core.kv_cache import BlockManager
+from serve.core.sampler import ROW_FIELDS, SamplingTensors, apply_penalties, sample
+from serve.core.scheduler import Scheduler
+from serve.core.sequence import Sequence
+from serve.core.spec_decode import DraftSlots, NgramProposer, SpeculativeConfig, rejection_sample
+from serve.core.spec_decode.config import AUTO_OFF_BATCH_SIZE
 
 
 def tensors(n: int, **values) -> SamplingTensors:
@@ -323,9 +323,9 @@ def test_samples_depend_on_the_row_not_the_batch():
 
 
 def test_spec_decode_counters_on_metrics():
-    from serve.core_types import SchedulerStats
-    from serve.metrics import ServerMetrics
-    from serve.spec_decode import SpecDecodingStats
+    from serve.core.spec_decode import SpecDecodingStats
+    from serve.http.metrics import ServerMetrics
+    from serve.types import SchedulerStats
 
     stats = SpecDecodingStats(3)
     stats.observe(np.array([3, 2, 0, 3]), np.array([3, 1, 0, 0]))  # three drafts, 8 tokens, 4 accepted

@@ -2,8 +2,8 @@
 otherwise, as vLLM's default backend reads them); `additional_properties=True` gives JSON Schema's reading."""
 
 import jaxinfra
+from serve.core.structured_output import GrammarCompiler, without_additional_properties
 from serve.sampling_params import StructuredOutputsParams
-from serve.structured_output import GrammarCompiler, without_additional_properties
 from tests.serve_helpers import PRESET
 
 # The grammar writes compact JSON (structured_output.JSON_DEFAULTS).
@@ -45,7 +45,7 @@ def test_every_object_schema_is_closed_but_values_and_names_are_left_alone():
 
 
 def test_openai_strict_false_asks_for_the_lenient_reading():
-    from serve.openai_protocol import CompletionRequest
+    from serve.http.openai_protocol import CompletionRequest
 
     def so(strict):
         rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": strict}}

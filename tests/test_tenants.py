@@ -13,9 +13,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from serve import tenants
-from serve.auth import AuthMiddleware, KeyRing, key_digest
-from serve.tenants import QuotaExceeded, Tenant, TenantQuotas, load_keys_file
+from serve.http import tenants
+from serve.http.auth import AuthMiddleware, KeyRing, key_digest
+from serve.http.tenants import QuotaExceeded, Tenant, TenantQuotas, load_keys_file
 
 KEYS_YAML = """
 tenants:

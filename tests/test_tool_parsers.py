@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from serve.tool_parsers import (
+from serve.http.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
     ToolCallStream,

@@ -14,9 +14,9 @@ from flax import nnx
 import jaxinfra
 from jaxinfra.models.llama import stack_layers
 from serve import LLM, SamplingParams
-from serve.auth import key_digest
-from serve.engine_core import EngineBusy
-from serve.tenants import Tenant
+from serve.core.engine_core import EngineBusy
+from serve.http.auth import key_digest
+from serve.http.tenants import Tenant
 from tests.hf_oracle import make_hf_model, save_hf_model
 from tests.server_helpers import MODEL_NAME, running_server, stream_body
 

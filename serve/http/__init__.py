@@ -2,7 +2,7 @@
 
     app.py                   build_app: error handlers, middleware, each serving class's routes
     errors.py                OpenAI error JSON for every failure
-    middleware.py            HTTP middleware (MIDDLEWARE; API keys: serve/auth.py)
+    middleware.py            HTTP middleware (MIDDLEWARE; API keys: serve/http/auth.py)
     body_limit.py            --max-request-body-bytes (413 before parsing)
     drain.py                 graceful shutdown on SIGTERM: whether draining, and until when
     draining_server.py       uvicorn whose first SIGTERM drains instead of closing

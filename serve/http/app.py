@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator, Mapping
 
 from fastapi import FastAPI
 
-from serve.async_engine import AsyncEngine
-from serve.auth import OPEN_PATHS, AuthMiddleware, KeyRing
+from serve.engine.async_engine import AsyncEngine
+from serve.http.auth import OPEN_PATHS, AuthMiddleware, KeyRing
 from serve.http.body_limit import BodyLimit, default_body_limit
 from serve.http.errors import add_error_handlers
+from serve.http.metrics import ServerMetrics
 from serve.http.middleware import MIDDLEWARE
 from serve.http.serving_base import OpenAIServing
 from serve.http.serving_chat import ServingChat
@@ -27,8 +28,7 @@ from serve.http.serving_status import ServingStatus
 from serve.http.serving_tokenization import ServingTokenization
 from serve.http.serving_weights import ServingWeights
 from serve.http.state import ServerState
-from serve.metrics import ServerMetrics
-from serve.tenants import Tenant
+from serve.http.tenants import Tenant
 
 SERVING_CLASSES: tuple[type[OpenAIServing], ...] = (
     ServingModels,

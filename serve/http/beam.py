@@ -1,12 +1,12 @@
 """`use_beam_search` requests on /v1/completions and /v1/chat/completions: each prompt's beam search
-runs through the engine (serve/beam_search.py) and its `n` best hypotheses become the choices. The call
+runs through the engine (serve/engine/beam_search.py) and its `n` best hypotheses become the choices. The call
 is admitted, timed out and aborted on disconnect like any other (serving_base.GenerationServing)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from serve.beam_search import BeamSearchParams, beam_search_async
+from serve.engine.beam_search import BeamSearchParams, beam_search_async
 from serve.http.generation import Generation
 from serve.http.state import ServerState
 

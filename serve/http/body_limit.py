@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.http.errors import error_response
-from serve.openai_protocol import OpenAIError
+from serve.http.openai_protocol import OpenAIError
 
 BODY_BYTES_PER_TOKEN = 64  # a token as JSON: text of up to 10 \\u-escaped characters, or an id and its comma
 BODY_OVERHEAD_BYTES = 256 * 1024  # the rest of a request: messages' framing, schemas, tools, logit_bias

@@ -19,11 +19,11 @@ import yaml
 
 from jaxinfra.sizes import parse_size
 from jaxinfra.yaml_config import load_config
-from serve.async_engine import DEFAULT_RESTART_ATTEMPTS
-from serve.autoscale_args import add_autoscale_args
 from serve.config import EngineArgs
-from serve.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
-from serve.tool_parsers import TOOL_PARSERS
+from serve.engine.async_engine import DEFAULT_RESTART_ATTEMPTS
+from serve.engine.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
+from serve.http.tool_parsers import TOOL_PARSERS
+from serve.scale.autoscale_args import add_autoscale_args
 
 ALIASES = {"quantization": ("-q",), "tensor_parallel_size": ("-tp",)}  # short forms vLLM also takes
 SIZE_FIELDS = frozenset({"kv_cache_memory"})  # byte counts: 1073741824, 1GiB or 800MB
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-keys-file",
         default=None,
         help="YAML of tenants (requests/min, tokens/min, max concurrent, priority, prefix-cache group) and "
-        "their keys (see serve/tenants.py); beside --api-key",
+        "their keys (see serve/http/tenants.py); beside --api-key",
     )
     p.add_argument("--protect-metrics", action="store_true", help="/metrics needs the key too")
     p.add_argument(

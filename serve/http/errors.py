@@ -9,9 +9,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.core_client import EngineDeadError
-from serve.openai_protocol import OpenAIError
-from serve.tenants import QuotaExceeded
+from serve.engine.core_client import EngineDeadError
+from serve.http.openai_protocol import OpenAIError
+from serve.http.tenants import QuotaExceeded
 
 
 def bad_request(e: Exception) -> OpenAIError:

@@ -9,13 +9,13 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from serve.core_client import EngineDeadError
+from serve.engine.core_client import EngineDeadError
 from serve.http.errors import bad_request, dead
+from serve.http.openai_protocol import ChatCompletionRequest, OpenAIError, _Common
 from serve.http.state import ServerState
-from serve.openai_protocol import ChatCompletionRequest, OpenAIError, _Common
-from serve.outputs import RequestOutput
+from serve.http.tenants import Admission, Tenant
 from serve.sampling_params import OutputKind, SamplingParams
-from serve.tenants import Admission, Tenant
+from serve.types import RequestOutput
 
 
 def max_tokens_for(limit: int, prompt_len: int, requested: int | None, param: str) -> int:

@@ -9,21 +9,21 @@ import sys
 from collections.abc import Sequence
 
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-from serve.async_engine import AsyncEngine
-from serve.autoscale_args import pool_config_from
 from serve.config import with_role
+from serve.engine.async_engine import AsyncEngine
 from serve.http.app import build_app
 from serve.http.cli_args import build_parser, engine_args_from, name_flag
 from serve.http.draining_server import serve_draining
-from serve.metrics import ServerMetrics
-from serve.tenants import load_keys_file
-from serve.tool_parsers import ToolConfig
+from serve.http.metrics import ServerMetrics
+from serve.http.tenants import load_keys_file
+from serve.http.tool_parsers import ToolConfig
+from serve.scale.autoscale_args import pool_config_from
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     if args.role == "proxy" or args.prefill or args.decode:
-        from serve.kv_transfer.proxy import run_proxy
+        from serve.scale.disagg_proxy import run_proxy
 
         try:
             if args.role != "proxy":
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
     )
     if engine is None:
-        from serve.ray_app import ReplicaSpec, run
+        from serve.scale.ray_app import ReplicaSpec, run
 
         spec = ReplicaSpec(
             engine_args,

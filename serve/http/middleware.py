@@ -2,15 +2,15 @@
 function middleware relays every chunk through a task and a memory stream: per-token streams paid
 that on every chunk). Each entry of MIDDLEWARE is a class taking the app and the server state; app.py
 adds them in order (the last added runs first). API keys are checked outside all of them, by
-serve.auth.AuthMiddleware."""
+serve.http.auth.AuthMiddleware."""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.http.errors import error_response, quota_response
+from serve.http.openai_protocol import OpenAIError
 from serve.http.state import ServerState
-from serve.openai_protocol import OpenAIError
 
 
 class RefuseWhileDraining:

@@ -13,15 +13,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serve.core_client import EngineDeadError
+from serve.engine.core_client import EngineDeadError
 from serve.http.beam import beam_search_answer
 from serve.http.errors import bad_request, dead, quota_response
 from serve.http.generation import Generation, collect
+from serve.http.openai_protocol import ChatMessage, OpenAIError, _Common
+from serve.http.prompt_bound import surely_too_long
 from serve.http.state import ServerState
-from serve.openai_protocol import ChatMessage, OpenAIError, _Common
-from serve.outputs import CompletionOutput, Logprobs, RequestOutput
-from serve.prompt_bound import surely_too_long
-from serve.tenants import NeverFits, QuotaExceeded
+from serve.http.tenants import NeverFits, QuotaExceeded
+from serve.types import CompletionOutput, Logprobs, RequestOutput
 
 
 def sse(body: dict[str, Any]) -> str:

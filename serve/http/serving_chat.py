@@ -9,10 +9,10 @@ from typing import Any, cast
 from fastapi import APIRouter, Request, Response
 
 from serve.http.generation import Generation
+from serve.http.openai_protocol import ChatCompletionRequest, OpenAIError
 from serve.http.serving_base import GenerationServing
 from serve.http.tool_calls import ChatGeneration, plan_tools
-from serve.openai_protocol import ChatCompletionRequest, OpenAIError
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.types import CompletionOutput, RequestOutput
 
 
 class ServingChat(GenerationServing):

@@ -9,9 +9,9 @@ from typing import Any, cast
 from fastapi import APIRouter, Request, Response
 
 from serve.http.generation import Generation
+from serve.http.openai_protocol import CompletionRequest, OpenAIError
 from serve.http.serving_base import GenerationServing
-from serve.openai_protocol import CompletionRequest, OpenAIError
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.types import CompletionOutput, RequestOutput
 
 
 class ServingCompletion(GenerationServing):

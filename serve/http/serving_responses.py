@@ -21,10 +21,10 @@ from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
 from serve.http.generation import Generation
+from serve.http.openai_protocol import ChatCompletionRequest, OpenAIError, _Request
 from serve.http.serving_base import GenerationServing
 from serve.http.tool_calls import ChatGeneration, plan_tools
-from serve.openai_protocol import ChatCompletionRequest, OpenAIError, _Request
-from serve.outputs import RequestOutput
+from serve.types import RequestOutput
 
 STORE_SIZE = 1000  # responses kept for previous_response_id
 

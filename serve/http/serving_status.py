@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from serve.core_client import EngineDeadError
+from serve.engine.core_client import EngineDeadError
 from serve.http.serving_base import OpenAIServing
 
 DASHBOARD_HTML = resources.files("serve.http").joinpath("dashboard.html").read_text()

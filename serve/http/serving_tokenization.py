@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter
 
 from jaxinfra.tokenizer import Tokenizer
+from serve.http.openai_protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
 from serve.http.serving_base import OpenAIServing
-from serve.openai_protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
 
 
 class ServingTokenization(OpenAIServing):

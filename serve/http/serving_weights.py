@@ -8,10 +8,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from serve.async_engine import EngineDeadError
+from serve.engine.async_engine import EngineDeadError
 from serve.http.errors import dead
+from serve.http.openai_protocol import OpenAIError
 from serve.http.serving_base import OpenAIServing
-from serve.openai_protocol import OpenAIError
 
 
 class ServingWeights(OpenAIServing):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from serve.async_engine import AsyncEngine
-from serve.auth import KeyRing
+from serve.engine.async_engine import AsyncEngine
+from serve.http.auth import KeyRing
 from serve.http.drain import Drain
-from serve.metrics import ServerMetrics
-from serve.tenants import TenantQuotas
-from serve.tool_parsers import ToolConfig
+from serve.http.metrics import ServerMetrics
+from serve.http.tenants import TenantQuotas
+from serve.http.tool_parsers import ToolConfig
 
 
 class ServerState:

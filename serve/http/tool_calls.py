@@ -9,9 +9,8 @@ import dataclasses
 from typing import Any
 
 from serve.http.generation import Generation
-from serve.openai_protocol import ChatCompletionRequest, OpenAIError
-from serve.sampling_params import StructuredOutputsParams
-from serve.tool_parsers import (
+from serve.http.openai_protocol import ChatCompletionRequest, OpenAIError
+from serve.http.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
     ToolCallStream,
@@ -20,6 +19,7 @@ from serve.tool_parsers import (
     get_tool_parser,
     required_schema,
 )
+from serve.sampling_params import StructuredOutputsParams
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ ALL_LAYERS = -1  # the layers run as one scan: per-layer hooks are called once, 
 
 
 class Request(Protocol):
-    """What a connector reads of a request (serve.sequence.Sequence once it carries kv_transfer_params)."""
+    """What a connector reads of a request (serve.core.sequence.Sequence once it carries kv_transfer_params)."""
 
     request_id: str
     tokens: list[int]

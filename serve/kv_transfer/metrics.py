@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from serve.core_types import SchedulerStats
 from serve.kv_transfer.stats import OPS, XFER_TIME_BUCKETS
+from serve.types import SchedulerStats
 
 
 class KVTransferMetrics:

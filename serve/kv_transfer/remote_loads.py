@@ -3,10 +3,10 @@ wait out of the queue while the worker pulls those tokens, then rejoin it at the
 
 from __future__ import annotations
 
-from serve.kv_cache import BlockManager
+from serve.core.kv_cache import BlockManager
+from serve.core.scheduling_policy import FcfsPolicy
+from serve.core.sequence import Sequence
 from serve.kv_transfer.base import KVConnectorBase
-from serve.scheduling_policy import FcfsPolicy
-from serve.sequence import Sequence
 
 
 class RemoteLoads:

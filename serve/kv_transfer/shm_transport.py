@@ -22,8 +22,8 @@ import msgspec
 import numpy as np
 
 from pallas_kernels import PagedKVCache
+from serve.core.pids import creator_gone
 from serve.kv_transfer.blocks import block_axis, gather_blocks, padded_ids, pool_fields, scatter_blocks
-from serve.pids import creator_gone
 
 ALIGN = 64  # each array starts on a cache line
 

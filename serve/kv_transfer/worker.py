@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import copy
 
+from serve.core.scheduler import Scheduler
+from serve.core.step_data import SchedulerOutput
 from serve.kv_transfer.base import ALL_LAYERS, KVConnectorBase, KVConnectorMetadata, PoolHolder
-from serve.scheduler import Scheduler
-from serve.step_data import SchedulerOutput
 
 
 class KVTransferWorker:

@@ -20,7 +20,7 @@ import pydantic
 import pytest
 
 import jaxinfra
-from serve.tool_parsers import ToolConfig
+from serve.http.tool_parsers import ToolConfig
 from tests.serve_helpers import PRESET
 from tests.server_helpers import MODEL_NAME, running_server
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from serve import EngineArgs
-from serve.async_engine import AsyncEngine
+from serve.engine.async_engine import AsyncEngine
 from serve.http.app import build_app
 from tests.serve_helpers import ENGINE_DEFAULTS
 from tests.server_helpers import MODEL_NAME, serve_in_thread, stream_body

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+from serve.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tests.reliability.reliability_helpers import Tally, background_streams, normal_worst_gap, reliability_server
 from tests.server_helpers import MODEL_NAME, call, eventually, metric
 

@@ -4,9 +4,9 @@ one past the compile budget; aborting a waiting request drops it."""
 
 import time
 
-from serve.core_types import EngineCoreRequest
-from serve.grammar_queue import GrammarQueue
+from serve.core.grammar_queue import GrammarQueue
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
+from serve.types import EngineCoreRequest
 from tests.serve_helpers import engine
 
 

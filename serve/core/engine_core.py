@@ -1,0 +1,355 @@
+"""EngineCore: the scheduler, KV block manager and model runner, stepped; token ids in, token ids out.
+
+It knows nothing of text: the frontend tokenizes, detokenizes and checks stop strings (and aborts a
+request here when one matches). The core checks what token ids decide: EOS, stop token ids,
+max_tokens, max_model_len. With async scheduling, step n+1 is scheduled and dispatched before the
+results of step n are read, so the host's work hides behind the device's.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from jaxinfra.config import ModelConfig
+from jaxinfra.loading import load_model, load_tokenizer, model_dir
+from jaxinfra.models import LlamaModel
+from jaxinfra.models.eagle import EagleHead, load_eagle_head
+from jaxinfra.tokenizer import Tokenizer
+from serve.config import EngineArgs
+from serve.core.device_memory import memory_breakdown
+from serve.core.expert_load import ExpertLoad
+from serve.core.kv_budget import (
+    DeviceMemory,
+    engine_max_model_len,
+    kv_cache_blocks,
+    step_token_budget,
+    xla_mem_fraction,
+)
+from serve.core.kv_cache import BlockManager
+from serve.core.loop_stream import LoopTokenStream, streams_in_loop
+from serve.core.request_state import CoreRequest
+from serve.core.runner import InFlight, ModelRunner
+from serve.core.scheduler import Scheduler
+from serve.core.sequence import Sequence
+from serve.core.spec_decode import DraftSlots, EagleDrafts, NgramProposer, SpeculativeConfig
+from serve.core.step_data import SchedulerOutput
+from serve.core.structured_output import GrammarCompiler, Matcher
+from serve.kv_transfer.worker import KVTransferWorker
+from serve.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+
+
+class EngineBusy(ValueError):
+    """A call that needs an idle engine came while requests were in flight."""
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: LlamaModel,
+        args: EngineArgs,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """`tokenizer` serves structured outputs (loaded from the model's folder when needed if None)."""
+        cfg = model.cfg
+        self.args = args
+        self.tokenizer = tokenizer
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = engine_max_model_len(cfg, args)
+        if self.max_model_len > cfg.context_length:
+            raise ValueError(
+                f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
+                f"context length ({cfg.context_length}: max_position_embeddings with its RoPE scaling)"
+            )
+        ep = args.expert_parallel()
+        if ep > 1 and not cfg.num_experts:
+            raise ValueError(f"EngineArgs.expert_parallel_size ({ep}) needs a mixture-of-experts model (this is dense)")
+        if ep > 1 and cfg.num_experts % ep:
+            raise ValueError(
+                f"EngineArgs.expert_parallel_size ({ep}) must divide the model's num_experts ({cfg.num_experts})"
+            )
+        budget = step_token_budget(args, self.max_model_len)
+        spec = args.speculative()
+        draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
+        eagle = self._eagle_head(spec, args, cfg) if spec is not None and spec.method == "eagle" else None
+        draft_cfg = draft.cfg if draft is not None else eagle.cfg if eagle is not None else None
+        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget, draft_cfg)
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
+                f"max_model_len ({self.max_model_len}); give it more memory or lower max_model_len"
+            )
+        self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
+        self.eos_set = frozenset(self.eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        proposer = self._proposer(spec)
+        kv_transfer = args.kv_transfer()
+        connector = kv_transfer.connector(args.block_size) if kv_transfer is not None else None
+        self.scheduler = Scheduler(
+            self.block_manager,
+            args.max_num_seqs,
+            budget,
+            args.enable_chunked_prefill,
+            args.scheduling_policy,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            num_scheduler_steps=args.num_scheduler_steps,
+            prefill_tokens_per_decode=args.prefill_tokens_per_decode,
+            proposer=proposer,
+            disable_spec_above=spec.disable_by_batch_size if spec is not None else None,
+            connector=connector,
+        )
+        self.runner = ModelRunner(
+            model,
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            kv_cache_dtype=args.kv_cache_dtype,
+            eos_token_ids=self.eos_token_ids,
+            tensor_parallel_size=args.tensor_parallel_size,
+            expert_parallel_size=ep,
+            attn_impl=args.attn_impl,
+            scan_layers=args.scan_layers,
+            num_scheduler_steps=args.num_scheduler_steps,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            draft_model=draft,
+            eagle_head=eagle,
+        )
+        self.scheduler.prefill.token_buckets = self.runner.token_buckets  # a capped prefill fills the step's bucket
+        self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        self.expert_load = ExpertLoad(moe_layers, cfg.num_experts) if moe_layers else None
+        self.requests = self.scheduler.requests  # the scheduler owns request state
+        self.inflight: collections.deque[InFlight] = collections.deque()
+        self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
+        self.applied_step = -1  # the last step id whose results were applied
+        self.loop_stream: LoopTokenStream | None = None
+
+    def stream_loops(self, stream: LoopTokenStream) -> None:
+        """Stream decode loops' tokens through `stream` as they are made, so streams may loop too
+        (before warm-up: the loop is traced with its tap)."""
+        if self.runner.num_compilations:
+            raise RuntimeError("EngineCore.stream_loops must be called before the first step is compiled")
+        self.loop_stream = stream
+        self.scheduler.stream_loops = True
+        self.runner.device.loop_tap = stream.device_tap(self.runner.device.mesh)
+
+    @staticmethod
+    def _proposer(spec: SpeculativeConfig | None) -> NgramProposer | DraftSlots | EagleDrafts | None:
+        """The scheduler's side of the configured proposer."""
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        return (DraftSlots if spec.method == "draft_model" else EagleDrafts)(spec.num_speculative_tokens)
+
+    @staticmethod
+    def _device_proposer_args(spec: SpeculativeConfig, args: EngineArgs) -> None:
+        """What a device proposer (draft model, EAGLE head) cannot serve with yet is refused here."""
+        for name in ("tensor_parallel_size", "num_scheduler_steps"):
+            if (value := getattr(args, name)) != 1:
+                method = spec.method
+                raise ValueError(f"EngineArgs.{name} must be 1 with speculative_config.method {method}, got {value}")
+
+    @classmethod
+    def _draft_model(cls, spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:
+        """The draft_model proposer's model (its vocabulary was checked against the target's) in the
+        target's dtype."""
+        cls._device_proposer_args(spec, args)
+        assert spec.model is not None
+        return load_model(spec.model, dtype, attn_impl=args.attn_impl)
+
+    @classmethod
+    def _eagle_head(cls, spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig) -> EagleHead:
+        """The EAGLE proposer's head (checked against the target's shape) in the target's dtype."""
+        cls._device_proposer_args(spec, args)
+        assert spec.model is not None
+        return load_eagle_head(model_dir(spec.model), target, attn_impl=args.attn_impl)
+
+    @staticmethod
+    def _blocks_from_memory(
+        model: LlamaModel, args: EngineArgs, step_tokens: int, draft_cfg: ModelConfig | None = None
+    ) -> int:
+        """KV blocks for this device's memory (what is in use now: the weights, a draft's or head's
+        too, all on the first device until the runner shards them); their pool shares the budget."""
+        device = jax.devices()[0]
+        if device.platform == "gpu" and args.kv_cache_memory is None:
+            memory = DeviceMemory.from_stats(device.memory_stats(), xla_mem_fraction())
+            return kv_cache_blocks(model.cfg, args, step_tokens, memory, memory.in_use, draft_cfg)
+        return kv_cache_blocks(model.cfg, args, step_tokens, draft=draft_cfg)
+
+    # --- requests ---------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:
+        """Queue a tokenized request; anything that cannot run is refused here (ValueError).
+        `matchers`: its structured output's, one per sequence, when made beforehand off the step
+        path (the core process's serve.core.grammar_queue); made here if None."""
+        ids = req.prompt_token_ids
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len ({self.max_model_len})"
+            )
+        p = req.params
+        if any(t >= self.vocab_size for t in [*p.stop_token_ids, *(p.logit_bias or {})]):
+            raise ValueError(f"SamplingParams.stop_token_ids and logit_bias keys must be in [0, {self.vocab_size})")
+        seqs = [
+            Sequence(
+                req.request_id,
+                i,
+                ids,
+                p,
+                req.seed,
+                req.cache_salt,
+                (req.priority, req.arrival_time),
+                req.tenant,
+                req.weight,
+            )
+            for i in range(p.n)
+        ]
+        if p.structured_outputs is not None:
+            if matchers is None:
+                matchers = [self.grammar().matcher(p.structured_outputs) for _ in seqs]
+            for seq, matcher in zip(seqs, matchers):
+                seq.matcher = matcher
+        seqs[0].kv_transfer_params = req.kv_transfer_params  # siblings share its prompt blocks
+        self.scheduler.add_request(CoreRequest(req, seqs, seqs[1:]))
+
+    def abort_requests(self, request_ids: Iterable[str], sequences: Iterable[tuple[str, int]] = ()) -> None:
+        """Stop requests, or single sequences of them, now and free their blocks (unknown or finished
+        ones are ignored)."""
+        for rid, index in [*((r, -1) for r in request_ids), *sequences]:
+            self.scheduler.abort(rid, index)
+
+    def grammar(self) -> GrammarCompiler:
+        """The structured-output compiler, built with the first request that needs it."""
+        if self.runner.grammar is None:
+            tok = self.tokenizer or load_tokenizer(self.args.tokenizer or self.args.model)
+            if tok is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            self.runner.grammar = GrammarCompiler(tok, self.vocab_size, self.eos_token_ids)
+        return self.runner.grammar
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self.inflight)
+
+    def poll_kv_transfers(self) -> bool:
+        """While idle: free offered KV blocks that were pulled or expired; True if any were."""
+        return self.kv_transfer is not None and self.kv_transfer.poll()
+
+    # --- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule -> execute -> update: schedule the next step and dispatch it, then apply the
+        previous step's results while it runs (all results first when scheduling is synchronous, or a
+        running sequence needs its last token on the host). Returns what each sequence produced."""
+        start = time.perf_counter()
+        self.step_wait = 0.0
+        outputs: dict[Sequence, EngineCoreOutput] = {}
+        if self.inflight and (not self.args.async_scheduling or self.scheduler.needs_sync()):
+            while self.inflight:
+                self._update(self.inflight.popleft(), outputs)
+        self.scheduler.now = time.monotonic()
+        sched = self.scheduler.schedule()
+        kv_meta = self.kv_transfer.before_step(sched) if self.kv_transfer is not None else None
+        keep = 0
+        if sched.seqs:
+            if self.loop_stream is not None:
+                self.loop_stream.register(sched.step_id, self._streamed_rows(sched))
+            self.inflight.append(self.runner.dispatch(self.runner.prepare(sched)))
+            keep = 1 if self.args.async_scheduling else 0
+        else:
+            self.runner.free_rows(sched)
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_step(kv_meta)
+        while len(self.inflight) > keep:
+            self._update(self.inflight.popleft(), outputs)
+        self.step_time = time.perf_counter() - start
+        return list(outputs.values())
+
+    def _streamed_rows(self, sched: SchedulerOutput) -> list[tuple[str, int, int] | None] | None:
+        """A decode loop's rows whose tokens stream as made (`streams_in_loop`), each with the loop
+        token that ends it by length (its budget, when the loop spends all of it; else 0)."""
+        if sched.budgets is None:
+            return None
+        budget = self.scheduler.budget  # what is left after this loop: 0 for a row it ends
+        return [
+            (s.request_id, s.index, made if budget(s) == 0 else 0) if streams_in_loop(s, computed) else None
+            for s, computed, made in zip(sched.seqs, sched.num_computed.tolist(), sched.budgets.tolist())
+        ]
+
+    def _update(self, inflight: InFlight, outputs: dict[Sequence, EngineCoreOutput]) -> None:
+        t0 = time.perf_counter()
+        inflight.wait()
+        self.step_wait += time.perf_counter() - t0
+        result = inflight.fetch()
+        if self.expert_load is not None and result.expert_counts is not None:
+            self.expert_load.observe(result.expert_counts)
+        self.scheduler.update_from_output(inflight.batch.sched, result, outputs)
+        self.applied_step = inflight.batch.sched.step_id
+
+    # --- introspection ----------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        compiled, total = self.runner.shapes_compiled
+        return SchedulerStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            bm.usage,
+            bm.prefix_queries,
+            bm.prefix_hits,
+            self.scheduler.num_preemptions,
+            bm.num_free_blocks,
+            bm.num_blocks,
+            self.runner.num_compilations,
+            self.scheduler.spec.stats if self.scheduler.spec is not None else None,
+            kv_transfer=self.kv_transfer.connector.get_kv_connector_stats() if self.kv_transfer is not None else None,
+            expert_load=self.expert_load.stats() if self.expert_load is not None else None,
+            shapes_compiled=compiled,
+            shapes_total=total,
+        )
+
+    def check_invariants(self) -> None:
+        self.block_manager.check_invariants([*self.scheduler.running, *self.scheduler.waiting])
+        if not self.requests and not self.inflight:
+            assert self.block_manager.num_free_blocks == self.block_manager.num_blocks, "idle engine holds blocks"
+
+    def update_weights(self, source: Any) -> None:
+        """New weights in place (ModelRunner.update_weights), and the prefix cache dropped (its blocks
+        hold the old weights' KV). Only between requests: with any in flight an EngineBusy, so no
+        output ever mixes two sets of weights."""
+        self._check_idle()
+        self.runner.update_weights(source)
+        self.block_manager.reset_prefix_cache()
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """update_weights from a checkpoint folder (HF safetensors) of the engine's model shape."""
+        self._check_idle()  # before reading the checkpoint
+        self.update_weights(load_model(model_path, dtype=None if self.args.dtype == "auto" else self.args.dtype))
+
+    def _check_idle(self) -> None:
+        if self.requests or self.inflight:
+            raise EngineBusy(f"update_weights needs an idle engine: {len(self.requests)} requests are in flight")
+
+    def utility(self, method: str, args: list[Any]) -> Any:
+        """The calls a frontend may make on a core process."""
+        calls: dict[str, Callable[..., Any]] = {
+            "stats": lambda: self.stats(),
+            "check_invariants": self.check_invariants,
+            "reset_prefix_cache": self.block_manager.reset_prefix_cache,
+            "memory": lambda: memory_breakdown(self.runner.weights, self.runner.kv_cache),
+            "update_weights_from_disk": self.update_weights_from_disk,
+        }
+        if method not in calls:
+            raise ValueError(f"unknown utility call {method!r}")
+        return calls[method](*args)

@@ -1,0 +1,399 @@
+"""ModelRunner: places the weights and KV pools, turns each SchedulerOutput into a step batch and
+dispatches the jitted device step; compiles every step shape at warm-up (serve.core.runner.warmup).
+
+Steps are dispatched asynchronously: `dispatch` returns at once and `InFlight.fetch` waits; a
+decode whose previous token is still on the device reads it there. A decode-only batch may run
+`num_steps` decode steps inside one jitted loop. Penalties and structured-output masks resample the
+step's logits in a second jitted call; the host fills the masks while the first call runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+from jaxinfra.models import LlamaModel
+from jaxinfra.models.eagle import EagleHead
+from jaxinfra.models.llama import layer_graph, stack_layers, unstack_layers
+from pallas_kernels import PagedKVCache, cpu_paged_attention, paged_head_dim, paged_impl
+from pallas_kernels.kv_quant import is_quantized_kv
+from serve.config import kv_storage_dtype
+from serve.core.host_transfer import Layout, pack
+from serve.core.runner.batch import SlotTable
+from serve.core.runner.compile_pool import CompilePool
+from serve.core.runner.device_step import DeviceStep
+from serve.core.runner.inflight import InFlight
+from serve.core.runner.inputs import DRAFT_VERIFY_MIN_ROWS, InputBuilder, StepBatch
+from serve.core.runner.ready_shapes import ReadyShapes
+from serve.core.runner.sizing import buckets, fit
+from serve.core.runner.warmup import warm_up
+from serve.core.runner.weight_sync import engine_layout, place_like
+from serve.core.spec_decode.draft_model import DraftModelRunner
+from serve.core.spec_decode.eagle import EagleRunner
+from serve.core.step_data import SchedulerOutput
+from serve.core.structured_output import GrammarCompiler, bitmask_words
+from sharding import get_rules, named_sharding, shard_state, tensor_parallel_mesh
+
+
+def device_step(
+    model: LlamaModel,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    block_size: int,
+    max_num_seqs: int,
+    eos_token_ids: tuple[int, ...] = (),
+    mesh: Any = None,
+    activation_rules: Any = None,
+    scan_layers: bool = True,
+) -> tuple[DeviceStep, list]:
+    """The jitted steps' closure for `model` (split into graphdef and placed `state`) and its weights;
+    with `scan_layers`, identical layers' weights are stacked once here and scanned in every step."""
+    params = nnx.to_pure_dict(state)
+    template = abstract(nnx.to_flat_state(state))  # shapes only: the weights' one copy is `weights`
+    stacked: tuple[nnx.GraphDef, list] | None = None
+    if scan_layers:
+        try:
+            graph, layer_template = layer_graph(model.layers)
+            stacked = graph, abstract(layer_template)
+            params = stack_layers(params)
+        except ValueError:  # layers that differ (e.g. partly quantized) run one after the other
+            stacked = None
+    # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
+    weights, state_def = jax.tree.flatten(params)
+    constants = (mesh, activation_rules, block_size, max_num_seqs, eos_token_ids)
+    return DeviceStep(model.cfg, graphdef, template, stacked, state_def, *constants), weights
+
+
+def abstract(flat: Any) -> list:
+    """(path, variable) pairs with each value a ShapeDtypeStruct: a template for merge_params that
+    keeps no array alive."""
+    return [(p, v.replace(value=jax.ShapeDtypeStruct(v[...].shape, v[...].dtype))) for p, v in flat]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv_cache_dtype: str = "auto",
+        eos_token_ids: tuple[int, ...] = (),
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        attn_impl: str | None = None,
+        scan_layers: bool = True,
+        num_scheduler_steps: int = 1,
+        num_speculative_tokens: int = 0,
+        draft_model: LlamaModel | None = None,
+        eagle_head: EagleHead | None = None,
+    ) -> None:
+        """`num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up;
+        `draft_model`: the draft_model proposer's, run on its own KV pool before each step;
+        `eagle_head`: the EAGLE proposer's, run on its own KV pool after each single step."""
+        cfg = model.cfg
+        self.cfg = cfg
+        self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = math.ceil(max_model_len / block_size)
+        self.num_scheduler_steps = num_scheduler_steps
+        self.num_speculative_tokens = num_speculative_tokens
+        graphdef, state = nnx.split(model)
+        dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
+        self.attn_impl = paged_impl(attn_impl)
+        if self.attn_impl == "cpu" and not cpu_paged_attention.reads(dtype):
+            self.attn_impl = "xla"  # what the attention layers run instead: its tile plans are built here
+        # One pool for every layer, stacked on a leading layers axis: the layers run as one scan.
+        self.kv_cache = PagedKVCache.zeros(
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            paged_head_dim(cfg.head_dim, self.attn_impl),
+            dtype,
+            num_layers=cfg.num_layers,
+        )
+        # expert_parallel_size > 1: an MoE model's experts split whole over that many devices (tp_ep)
+        rules = get_rules("tp_ep" if expert_parallel_size > 1 else "tp")
+        mesh = None
+        if max(tensor_parallel_size, expert_parallel_size) > 1:  # weights and KV pools split over KV heads
+            mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads, expert_parallel_size)
+            state = shard_state(state, mesh, rules.params)
+            axes = (None, None, None, "kv_heads", "head_dim")
+            self.kv_cache = jax.tree.map(
+                lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], rules.params, a.shape, mesh)),
+                self.kv_cache,
+            )
+        self.device, self.weights = device_step(
+            model,
+            graphdef,
+            state,
+            block_size,
+            max_num_seqs,
+            self.eos_token_ids,
+            mesh,
+            rules.activations,
+            scan_layers,
+        )
+        self.layer_graph = self.device.layer_graph
+        self._template = abstract(nnx.to_flat_state(state))
+        self.draft = None
+        if draft_model is not None:  # no eos: the draft proposes greedily, the target's sampler stops
+            draft_graphdef, draft_state = nnx.split(draft_model)
+            self.draft = DraftModelRunner(
+                *device_step(
+                    draft_model, draft_graphdef, draft_state, block_size, max_num_seqs, scan_layers=scan_layers
+                ),
+                num_blocks=num_blocks,
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                attn_impl=self.attn_impl,
+            )
+        self.eagle = None
+        if eagle_head is not None:
+            self.device.return_hidden = True
+            self.eagle = EagleRunner(
+                self.device,
+                eagle_head,
+                num_speculative_tokens,
+                num_blocks=num_blocks,
+                kv_cache_dtype=kv_cache_dtype,
+                attn_impl=self.attn_impl,
+            )
+        # Tokens of a step: a prompt chunk beside the decodes pads to the next power of two (its matmuls cost
+        # what it pads to; coarser buckets, x4, made 16 decodes + a 64-token prompt a 256-token step)
+        self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens))
+        self.seq_buckets = buckets(max_num_seqs, 1)
+        # Rows of a step with a prompt chunk: coarser, since each pairs with the token buckets
+        self.mixed_seq_buckets = buckets(max_num_seqs, min(16, max_num_seqs), factor=4)
+        # Block-table columns (both attention implementations read only the pages a batch uses); below
+        # 16 pages a narrower table saves less than its compiled shapes cost at start-up.
+        self.width_buckets = buckets(self.max_blocks, min(16, self.max_blocks), factor=4)
+        self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
+        self.ready = ReadyShapes()  # the compiled shapes batches pad to while warm-up runs
+        self.compile_pool: CompilePool | None = None
+        pool = self.kv_cache.k
+        self.inputs = InputBuilder(
+            self.slots,
+            block_size,
+            max_model_len,
+            self.token_buckets,
+            self.seq_buckets,
+            self.mixed_seq_buckets,
+            self.width_buckets,
+            self.attn_impl,
+            (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
+            DRAFT_VERIFY_MIN_ROWS if self.draft is not None else 1,
+            self.ready,
+        )
+        self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
+        if mesh is not None:  # placed as the steps place their sampled tokens, so the first step's call is theirs
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._no_prev = jax.device_put(self._no_prev, replicated)
+        self.prev_tokens = self._no_prev  # the last single step's sampled tokens, on device
+        d = self.device
+        self._step = jax.jit(d.step, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+        self._multi = jax.jit(d.multi, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
+        self._resample = jax.jit(d.resample, static_argnames=("layout",))
+        self._verify = jax.jit(d.verify, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+        # with a draft model, it proposes and the target verifies in one call (one dispatch a step)
+        self._draft_verify = jax.jit(
+            self._draft_then_verify, donate_argnums=(1, 3), static_argnames=("layout", "max_q_len")
+        )
+        self.grammar: GrammarCompiler | None = None  # set by the engine core with its first structured request
+
+    @property
+    def num_compilations(self) -> int:
+        """Step shapes compiled so far (warm-up's, and any after it: there should be none)."""
+        return self.device.num_compilations + (self.draft.device.num_compilations if self.draft is not None else 0)
+
+    # --- host side --------------------------------------------------------------------------------
+    def free_rows(self, sched: SchedulerOutput) -> None:
+        """Free the rows of sequences that left the batch (finished, aborted or preempted) since the
+        last step; the engine calls it for steps that schedule nothing too, so no row leaks."""
+        for seq_id in sched.finished:
+            self.slots.release(seq_id)
+        for seq in sched.preempted:
+            self.slots.release(seq.seq_id)
+
+    def prepare(self, sched: SchedulerOutput) -> StepBatch:
+        """Host arrays for one step (or a multi-step decode loop), from the scheduler's output; rows of
+        sequences that left the batch are freed first."""
+        self.free_rows(sched)
+        return self.inputs.prepare(sched)
+
+    @staticmethod
+    def _loop_buffers(batch: StepBatch) -> tuple[dict[str, np.ndarray], Layout]:
+        """A decode loop's packed inputs: the step's, each row's budget and the step id."""
+        return pack((batch.inputs, batch.sampling, batch.budget, np.array([batch.sched.step_id], np.int32)))
+
+    def dispatch(self, batch: StepBatch) -> InFlight:
+        """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
+        if batch.budget is not None:
+            buffers, layout = self._loop_buffers(batch)
+            out, self.prev_tokens, self.kv_cache, load, _ = self._multi(  # _: the loop tap's receipt
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
+            )
+            self.inputs.dispatched(batch)
+            return InFlight(batch, out, (), expert_counts=load)
+        if batch.spec is not None:
+            buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
+            if self.eagle is not None:
+                buffers = jax.device_put(buffers)  # sent once, read by both models
+            prev, static = self.prev_tokens, dict(layout=layout, max_q_len=batch.max_q_len)
+            if self.draft is not None:
+                verified, self.draft.kv_cache = self._draft_verify(
+                    self.weights, self.kv_cache, self.draft.weights, self.draft.kv_cache, buffers, prev, **static
+                )
+            else:
+                verified = self._verify(self.weights, self.kv_cache, buffers, prev, None, **static)
+            out, num_emitted, self.prev_tokens, self.kv_cache, load, *h = verified
+            self.inputs.dispatched(batch)
+            flight = InFlight(batch, out, (), num_emitted, load)
+            return self._eagle_drafts(flight, h, buffers, layout, prev, self.prev_tokens)
+        buffers, layout = pack((batch.inputs, batch.sampling))
+        proposer = batch.sched.may_draft and (self.draft is not None or self.eagle is not None)
+        if proposer:  # auto-off (may_draft false) skips the proposer: the scheduler stops drafting for these rows
+            buffers = jax.device_put(buffers)
+        if proposer and self.draft is not None:  # the draft's pool mirrors the target's
+            self.draft.mirror(buffers, layout, self.prev_tokens, batch.max_q_len)
+        prev = self.prev_tokens
+        out, padded, logits, prompt, self.kv_cache, load, *h = self._step(
+            self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+        )
+        if batch.history is not None:
+            sb = batch.history[0].shape[0]
+            bitmask = np.full((sb, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+            if batch.grammar_rows:
+                assert self.grammar is not None
+                self.grammar.fill(batch.grammar_rows, bitmask)  # while the forward pass runs
+            bias = batch.bias or self.slots.bias(np.zeros(0, np.int32), sb)
+            extra, extra_layout = pack((batch.sampling, *batch.history, bitmask, *bias))
+            out, padded = self._resample(logits, extra, layout=extra_layout)
+        self.prev_tokens = padded
+        self.inputs.dispatched(batch)
+        return self._eagle_drafts(InFlight(batch, out, prompt, expert_counts=load), h, buffers, layout, prev, padded)
+
+    def _draft_then_verify(
+        self, weights, kv_cache, draft_weights, draft_kv, buffers, prev_tokens, *, layout, max_q_len
+    ):
+        """A verify step with a draft model: its drafts (serve.core.spec_decode.draft_model), then the
+        target's verify step over them; returns the verify step's outputs and the draft's pool."""
+        assert self.draft is not None
+        drafts, draft_kv = self.draft.step.propose(
+            draft_weights, draft_kv, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
+        )
+        verified = self.device.verify(
+            weights, kv_cache, buffers, prev_tokens, drafts, layout=layout, max_q_len=max_q_len
+        )
+        return verified, draft_kv
+
+    def _eagle_drafts(
+        self, flight: InFlight, h: list, buffers: Any, layout: Layout, prev: jax.Array, last: jax.Array
+    ) -> InFlight:
+        """With an EAGLE head: its drafts for the next step, made from this step's hidden states."""
+        if self.eagle is None or not flight.batch.sched.may_draft:
+            return flight
+        batch = flight.batch
+        rows = self.eagle.row_columns(batch.sched, batch.inputs.kv_lens.shape[0], self.max_model_len)
+        flight.drafts = self.eagle.propose(
+            self.weights,
+            h[0],
+            buffers,
+            layout,
+            batch.max_q_len,
+            prev,
+            last,
+            flight.num_emitted,
+            rows,
+        )
+        return flight
+
+    def compiled_text(self, batch: StepBatch) -> str:
+        """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
+        if batch.budget is not None:
+            buffers, layout = self._loop_buffers(batch)
+            lowered = self._multi.lower(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
+            )
+        else:
+            buffers, layout = pack((batch.inputs, batch.sampling))
+            lowered = self._step.lower(
+                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+            )
+        return lowered.compile().as_text() or ""
+
+    # --- warm-up ----------------------------------------------------------------------------------
+    def shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (tokens, sequences, block-table width, max_q_len) a step can have: decode-only
+        batches (one token per sequence bucket slot) and batches with a prompt chunk (a token bucket,
+        and a row bucket up to the one holding as many rows as it has tokens)."""
+        decode = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
+        mixed = [
+            (tb, sb, w, tb)
+            for tb in self.token_buckets
+            for sb in self.mixed_seq_buckets
+            if sb <= fit(min(tb, self.max_num_seqs), self.mixed_seq_buckets)
+            for w in self.width_buckets
+        ]
+        return decode + mixed
+
+    def verify_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every shape a speculative verify step can have (none without speculation): the mixed shapes
+        (never a decode-only batch: a row with drafts brings up to k + 1 tokens), and k + 1 tokens per
+        sequence bucket slot when every row brings at most that many."""
+        k1 = self.num_speculative_tokens + 1
+        if k1 == 1:
+            return []
+        rows = [sb for sb in self.seq_buckets if sb >= min(self.inputs.verify_min_rows, self.seq_buckets[-1])]
+        per_row = [(sb * k1, sb, w, k1) for sb in rows for w in self.width_buckets]
+        return [shape for shape in self.shapes() if shape[3] > 1] + per_row
+
+    def params(self) -> dict:
+        """The model's weights as a pure dict, one entry per layer (views of the steps' weights,
+        which hold the only copy)."""
+        params = jax.tree.unflatten(self.device.state_def, self.weights)
+        return unstack_layers(params, self.cfg.num_layers) if self.layer_graph is not None else params
+
+    @property
+    def state(self) -> nnx.State:
+        """The model's variables (for inspection: names, values, shardings), rebuilt from the weights."""
+        flat = traverse_util.flatten_dict(self.params())
+        return nnx.from_flat_state([(p, v.replace(value=flat[p])) for p, v in self._template])
+
+    def update_weights(self, source: Any) -> None:
+        """Replace the model's weights in place from a model, state, TrainState or params dict: same
+        names and shapes, cast and placed as the engine's, so no step recompiles."""
+        old = jax.tree.unflatten(self.device.state_def, self.weights)
+        self.weights = jax.tree.leaves(place_like(engine_layout(source, old, self.cfg.num_layers), old))
+
+    def dummy(self, tb: int, sb: int, width: int, q: int, num_steps: int = 1) -> StepBatch:
+        """An empty batch of the given shape (what warm-up compiles)."""
+        return self.inputs.dummy(tb, sb, width, q, num_steps)
+
+    def warmup(self, background: bool = False, threads: int = 0) -> None:
+        """Compile every step shape (`shapes()`), the resampler per sequence bucket, with
+        num_scheduler_steps > 1 the decode loop per decode shape, and the verify shapes, on `threads`
+        threads (0: one per core, up to 8). With `background`, return once the largest shape of each
+        kind is compiled: batches pad to compiled shapes while the rest compile (`wait_compiled`)."""
+        self.compile_pool = warm_up(self, background, threads)
+
+    def wait_compiled(self) -> None:
+        """Block until warm-up has compiled every shape (at once without a background warm-up)."""
+        if self.compile_pool is not None:
+            self.compile_pool.wait()
+
+    @property
+    def shapes_compiled(self) -> tuple[int, int]:
+        """(compiled, total) step shapes of the last warm-up ((0, 0) before one, or for one by dispatch)."""
+        pool = self.compile_pool
+        return (0, 0) if pool is None else (len(self.ready), pool.total)

@@ -23,11 +23,11 @@ import jax
 import msgspec
 import zmq
 
-from jaxinfra.loading import load_model
 from serve.config import EngineArgs
 from serve.core.engine_core import EngineCore
 from serve.core.grammar_queue import GrammarQueue
 from serve.core.loop_stream import LoopTokenStream
+from serve.core.model_loading import enable_compilation_cache, load_engine_model
 from serve.core.output_pipe import write_frame
 from serve.core.pids import exit_with_parent
 from serve.types import (
@@ -75,30 +75,13 @@ def start_heartbeat(fd: int) -> None:
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
-def enable_compilation_cache(directory: str | None) -> None:
-    """JAX's persistent compilation cache: a restart reuses every compiled step shape."""
-    if not directory:
-        return
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def build_core(
     args: EngineArgs, eos_token_ids: tuple[int, ...], warmup: bool, stream: LoopTokenStream | None = None
 ) -> EngineCore:
     """Load the model and build (and optionally warm up) an EngineCore; `stream`: its decode loops'
     tokens are streamed through it. With args.background_compile, warm-up goes on after this returns."""
     enable_compilation_cache(args.compilation_cache_dir)
-    model = load_model(
-        args.model,
-        dtype=None if args.dtype == "auto" else args.dtype,
-        attn_impl=args.attn_impl,
-        seed=args.seed,
-        quantization=args.quantization,
-    )
-    core = EngineCore(model, args, eos_token_ids)
+    core = EngineCore(load_engine_model(args), args, eos_token_ids)
     if stream is not None:
         core.stream_loops(stream)
     if warmup:

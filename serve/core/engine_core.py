@@ -32,6 +32,7 @@ from serve.core.kv_budget import (
 )
 from serve.core.kv_cache import BlockManager
 from serve.core.loop_stream import LoopTokenStream, streams_in_loop
+from serve.core.model_loading import load_engine_model
 from serve.core.request_state import CoreRequest
 from serve.core.runner import InFlight, ModelRunner
 from serve.core.scheduler import Scheduler
@@ -335,7 +336,7 @@ class EngineCore:
     def update_weights_from_disk(self, model_path: str) -> None:
         """update_weights from a checkpoint folder (HF safetensors) of the engine's model shape."""
         self._check_idle()  # before reading the checkpoint
-        self.update_weights(load_model(model_path, dtype=None if self.args.dtype == "auto" else self.args.dtype))
+        self.update_weights(load_engine_model(self.args, model_path))
 
     def _check_idle(self) -> None:
         if self.requests or self.inflight:

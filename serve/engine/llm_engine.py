@@ -3,12 +3,12 @@ one `step()` at a time (the server puts the core in a process of its own: serve.
 
 from __future__ import annotations
 
-from jaxinfra.loading import load_model, load_tokenizer
+from jaxinfra.loading import load_tokenizer
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
-from serve.core.core_proc import enable_compilation_cache
 from serve.core.engine_core import EngineCore
+from serve.core.model_loading import enable_compilation_cache, load_engine_model
 from serve.engine.input_processor import InputProcessor, Prompt
 from serve.engine.output_processor import OutputProcessor
 from serve.sampling_params import SamplingParams
@@ -29,14 +29,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         enable_compilation_cache(args.compilation_cache_dir)
-        model = load_model(
-            args.model,
-            dtype=None if args.dtype == "auto" else args.dtype,
-            attn_impl=args.attn_impl,
-            seed=args.seed,
-            quantization=args.quantization,
-        )
-        return cls(model, load_tokenizer(args.tokenizer or args.model), args)
+        return cls(load_engine_model(args), load_tokenizer(args.tokenizer or args.model), args)
 
     def add_request(
         self,

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas
-from pallas_kernels.quant_matmul import int8_matmul, weight_only_matmul
+from pallas_kernels.quant_matmul import int8_matmul_pallas, weight_only_matmul_pallas
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 SM90_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
@@ -240,19 +240,19 @@ def quant_matmul_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], 
         w4 = (S((k // 2, n), jnp.uint8), S((k // 128, n), jnp.bfloat16), S((k // 128, n), jnp.uint8))
         yield (
             f"w4a16 g128 M{m} K{k} N{n}",
-            functools.partial(weight_only_matmul, bits=4, interpret=False),
+            functools.partial(weight_only_matmul_pallas, bits=4, interpret=False),
             (x, *w4),
         )
         w8 = (S((k, n), jnp.int8), S((1, n), jnp.bfloat16))
         yield (
             f"w8a16 M{m} K{k} N{n}",
-            functools.partial(weight_only_matmul, zeros=None, bits=8, interpret=False),
+            functools.partial(weight_only_matmul_pallas, zeros=None, bits=8, interpret=False),
             (x, *w8),
         )
         a8 = (S((m, k), jnp.int8), S((m,), jnp.float32), S((k, n), jnp.int8), S((n,), jnp.float32))
         yield (
             f"w8a8 M{m} K{k} N{n}",
-            functools.partial(int8_matmul, out_dtype=jnp.bfloat16, interpret=False),
+            functools.partial(int8_matmul_pallas, out_dtype=jnp.bfloat16, interpret=False),
             a8,
         )
 

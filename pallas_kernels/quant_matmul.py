@@ -60,16 +60,17 @@ def default_splits(programs: int, steps: int) -> int:
     return max(d for d in range(1, wanted + 1) if steps % d == 0)
 
 
-def default_tiles(m: int, n: int, k: int, step: int | None = None) -> MatmulTiles:
+def default_tiles(m: int, n: int, k: int, step: int | None = None, int4: bool = False) -> MatmulTiles:
     """Decode (M <= 16): 16-row tiles (the MMA's least), wide columns, split-K; prefill: 32- to 128-row
-    tiles. `step` is the kernel's K step (a group for grouped weights; default block_k)."""
+    tiles. `step` is the kernel's K step (a group for grouped weights; default block_k). Unpacking
+    int4 doubles the tile's registers: 8 warps from 32 x 128 (at 64 x 128 and 4 warps ptxas needs 255)."""
     if n % 16 or k % 16:
         raise ValueError(f"the Pallas quantized matmul needs N and K multiples of 16, got N={n}, K={k}")
     block_m = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     block_n = next(b for b in (128, 64, 32, 16) if n % b == 0)
     block_k = next(b for b in (64, 32, 16) if k % b == 0)
     splits = default_splits(pl.cdiv(m, block_m) * (n // block_n), k // (step or block_k))
-    warps = 4 if block_m * block_n <= 64 * 128 else 8
+    warps = 4 if block_m * block_n * (2 if int4 else 1) <= 64 * 128 else 8
     return MatmulTiles(block_m, block_n, block_k, num_warps=warps, num_splits=splits)
 
 
@@ -185,7 +186,7 @@ def weight_only_matmul_pallas(
     step = group if grouped and group <= MAX_GROUP_STEP else block_k
     if (step % 32 and bits == 4) or step % 16 or (grouped and group % step):
         raise ValueError(f"group size {group} does not fit the kernel (int4 needs >= 32, int8 >= 16)")
-    tiles = tiles or default_tiles(m, n, k, step)
+    tiles = tiles or default_tiles(m, n, k, step, int4=bits == 4)
     _check(n, k, step, tiles)
     bn, sk = tiles.block_n, qweight.shape[0] // tiles.num_splits
     z = jnp.zeros((1, n), jnp.uint8) if zeros is None else zeros

@@ -145,8 +145,9 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
 
 
 def _max_tile_elements(head_dim: int, quantized: bool) -> int:
-    """Rows x head_dim a tile may hold. int8/fp8 pages are dequantised to float32 [keys, head_dim]
-    in registers too: at head dim 256 that needs half the rows (else ~50 B of spills per thread)."""
+    """Rows x head_dim a tile may hold. int8/fp8 pages add their raw and converted [keys, head_dim]
+    tiles and per-key scales: at head dim 256 that needs half the rows (else 24 B of spills per thread
+    at 8 warps, sm_90a, with the scales on logits and probabilities)."""
     return MAX_TILE_ELEMENTS // (2 if quantized and head_dim >= 256 else 1)
 
 

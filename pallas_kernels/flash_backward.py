@@ -1,7 +1,7 @@
 """FlashAttention-2 backward of flash_attention.py in Pallas (Triton lowering): one kernel walks the
 query tiles for each K/V tile (dK, dV; query heads of a group summed inside, chunks summed after),
-one walks the K/V tiles for each query tile (dQ). Probabilities are recomputed from the saved
-base-2 log-sum-exp.
+one walks the K/V tiles for each query tile (dQ: like the forward, unmasked tiles in their own loop,
+causal tiles longest first). Probabilities are recomputed from the saved base-2 log-sum-exp.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash_tiles import (
+    LOG2E,
     OFFSET_SPEC,
     BlockSizes,
     FlashStatic,
     block_specs,
+    full_kv_end,
     kv_range,
+    logits,
     masked_scores,
     pad_to,
     prepare,
@@ -33,9 +36,14 @@ from pallas_kernels.flash_tiles import (
 from pallas_kernels.tile_ops import dot
 
 
-def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st: FlashStatic):
-    """Probabilities and the gradient of the natural (pre-scale) logits for one tile pair."""
-    s, capped = masked_scores(q, k, q_tok, kv0, q_seg, kv_seg, offset, st)
+def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st: FlashStatic, masked: bool = True):
+    """Probabilities and the gradient of the natural (pre-scale) logits for one tile pair (`masked`
+    False: a pair full_kv_end says needs no mask)."""
+    if masked:
+        s, capped = masked_scores(q, k, q_tok, kv0, q_seg, kv_seg, offset, st)
+    else:
+        capped = logits(q, k, st)
+        s = capped * LOG2E
     p = jnp.exp2(s - lse[:, None])
     dp = dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
@@ -76,23 +84,29 @@ def _dkdv_kernel(
 def _dq_kernel(
     off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kvseg_ref, dq_ref, *, st: FlashStatic
 ):
-    tok0 = pl.program_id(2) * st.tokens
+    """dQ of one query tile: the unmasked K/V tiles, then the masked ones; causal: longest tiles first."""
+    tile = pl.program_id(2)
+    if st.causal:
+        tile = pl.num_programs(2) - 1 - tile
+    tok0 = tile * st.tokens
     offset = read_offset(off_ref, st)
     q, do = tile_rows(q_ref[...], st), tile_rows(do_ref[...], st)
     lse, delta = tile_rows(lse_ref[...], st), tile_rows(delta_ref[...], st)
     q_tok = row_tokens(tok0, st)
     q_seg = row_segments(qseg_ref[...], st) if st.has_segments else None
 
-    def body(j, dq):
+    def body(j, dq, masked: bool):
         kv0 = j * st.block_k
         k = k_ref[pl.ds(kv0, st.block_k), :]
         v = v_ref[pl.ds(kv0, st.block_k), :]
-        kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments else None
-        _, ds = _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st)
+        kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments and masked else None
+        _, ds = _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st, masked)
         return dq + dot(ds.astype(k.dtype), k)
 
     lo, hi = kv_range(tok0, st.tokens, k_ref.shape[0] // st.block_k, offset, st)
-    dq = lax.fori_loop(lo, hi, body, jnp.zeros((st.rows, q.shape[-1]), jnp.float32))
+    mid = full_kv_end(tok0, lo, hi, offset, st)
+    dq = lax.fori_loop(lo, mid, functools.partial(body, masked=False), jnp.zeros((st.rows, q.shape[-1]), jnp.float32))
+    dq = lax.fori_loop(mid, hi, functools.partial(body, masked=True), dq)
     dq_ref[...] = dq.reshape(st.tokens, st.group, -1).astype(dq_ref.dtype)
 
 
@@ -126,7 +140,8 @@ def flash_backward(q, k, v, q_seg, kv_seg, offset, out, lse, do, st: FlashStatic
     dk = dk_part.reshape(b, tk, kh, nc, d).sum(3)[:, :s].astype(k.dtype)
     dv = dv_part.reshape(b, tk, kh, nc, d).sum(3)[:, :s].astype(v.dtype)
 
-    q_tile, row_tile, kv_full, qseg_tile, kvseg_full = block_specs(bst, tq, tk, d, nc, q_tiled=True, kv_tiled=False)
+    specs = block_specs(bst, tq, tk, d, nc, q_tiled=True, kv_tiled=False, reverse=bst.causal)
+    q_tile, row_tile, kv_full, qseg_tile, kvseg_full = specs
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=bst),
         grid=(b, chunks, tq // bst.tokens),

@@ -89,11 +89,13 @@ def _rows(m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _load_x(x_ref, rows, valid, col0, width: int) -> jax.Array:
+    """Activations [block_m, width] from column col0, zeros in the rows past M."""
     cols = col0 + lax.broadcasted_iota(jnp.int32, (width,), 0)
     return plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=0)
 
 
 def _store(o_ref, rows, valid, acc: jax.Array) -> None:
+    """Write this program's [block_m, block_n] tile (rows past M masked) in o_ref's dtype."""
     cols = pl.program_id(1) * acc.shape[1] + lax.broadcasted_iota(jnp.int32, (acc.shape[1],), 0)
     plgpu.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=valid[:, None])
 

@@ -34,7 +34,10 @@ from pallas_kernels.tile_ops import dot
 SM_COUNT = 132  # H100 / H200 SXM streaming multiprocessors: the programs split-K aims to fill
 MAX_SPLITS = 16
 MIN_STEPS_PER_SPLIT = 2  # K steps each split walks at least (a split's start-up is not free)
-MAX_GROUP_STEP = 256  # grouped weights step one group per iteration up to this size, else block_k
+# Grouped weights step one group per iteration up to this many rows, larger groups block_k rows at a
+# time (each step scaled by its group): at sm_90a a 128-row int4 step holds 212 registers per thread
+# (M=1, 128 columns, 4 warps), a 64-row one 120 (benchmarks/kernel_report.py).
+MAX_GROUP_STEP = 64
 # Rows from which the dispatchers dequantize the weight once and call XLA's bf16 matmul instead of
 # the kernel. A guess from the H200 sweep in #47 (the kernels lost even at M=64 before split-K);
 # it awaits a GPU measurement of the split-K kernels (benchmarks/quant_matmul.py).

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas
-from pallas_kernels.quant_matmul import int8_matmul, weight_only_matmul
+from pallas_kernels.quant_matmul import int8_matmul_pallas, weight_only_matmul_pallas
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 SM90_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100/H200
@@ -235,24 +235,24 @@ def quant_matmul_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], 
     """W4A16 (group 128, zero points), W8A16 (per channel) and W8A8 at decode and prefill M, on
     Llama-8B's q/o (4096 x 4096) and MLP down (14336 -> 4096) shapes."""
     layers = [(4096, 4096)] if quick else [(4096, 4096), (14336, 4096), (4096, 14336)]
-    for (k, n), m in itertools.product(layers, (1, 256) if quick else (1, 16, 64, 256)):
+    for (k, n), m in itertools.product(layers, (1, 64, 256) if quick else (1, 16, 64, 256)):
         x = S((m, k), jnp.bfloat16)
         w4 = (S((k // 2, n), jnp.uint8), S((k // 128, n), jnp.bfloat16), S((k // 128, n), jnp.uint8))
         yield (
             f"w4a16 g128 M{m} K{k} N{n}",
-            functools.partial(weight_only_matmul, bits=4, interpret=False),
+            functools.partial(weight_only_matmul_pallas, bits=4, interpret=False),
             (x, *w4),
         )
         w8 = (S((k, n), jnp.int8), S((1, n), jnp.bfloat16))
         yield (
             f"w8a16 M{m} K{k} N{n}",
-            functools.partial(weight_only_matmul, zeros=None, bits=8, interpret=False),
+            functools.partial(weight_only_matmul_pallas, zeros=None, bits=8, interpret=False),
             (x, *w8),
         )
         a8 = (S((m, k), jnp.int8), S((m,), jnp.float32), S((k, n), jnp.int8), S((n,), jnp.float32))
         yield (
             f"w8a8 M{m} K{k} N{n}",
-            functools.partial(int8_matmul, out_dtype=jnp.bfloat16, interpret=False),
+            functools.partial(int8_matmul_pallas, out_dtype=jnp.bfloat16, interpret=False),
             a8,
         )
 

@@ -34,6 +34,7 @@ from pallas_kernels import (
     quantize,
     ragged_attention,
 )
+from pallas_kernels.paged_attention import default_num_splits
 from pallas_kernels.paged_attention_reference import paged_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.paged_tiles import kernel_work_list
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -135,6 +136,8 @@ def decode_rows(quick: bool, bandwidth: float, results: Results) -> None:
             if not results.more():
                 return
             row: dict = {"batch": b, "context": c, "block": bs, "kv": kv, "impl": name}
+            if name == "ours":  # the dispatcher's split-K count (on the GPU: from its SM count)
+                row["splits"] = default_num_splits(b, tables.shape[1], bs)
             try:
                 err = float(jnp.abs(jax.jit(fn)(*args).astype(jnp.float32) - ref).max())
                 t = device_seconds(fn, *args, iters=iters)

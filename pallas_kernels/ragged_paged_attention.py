@@ -7,7 +7,8 @@ for the whole group. The kernel gathers its query rows from, and scatters its ou
 block table, several per step; split-K cuts a long context into `num_splits` page ranges whose
 float32 partials a small merge kernel combines (one split: the output is written in the query dtype
 directly). Only pages the sequence owns are ever read. K/V may be int8 or fp8 with per-token,
-per-head scales, dequantised in the kernel.
+per-head scales: the kernel converts the loaded integers (exactly) to the query dtype and applies the
+scales to each key's logits and each value's probabilities, not to every loaded element.
 """
 
 from __future__ import annotations
@@ -68,11 +69,9 @@ class _Static:
         return self.pages_per_tile * self.page_size
 
 
-def _load_pages(pool_ref, scale_ref, ids: jax.Array, st: _Static, dtype: jnp.dtype) -> jax.Array:
-    x = pool_ref[ids].reshape(st.block_k, -1)
-    if st.quantized:
-        x = x.astype(jnp.float32) * scale_ref[ids].reshape(st.block_k)[:, None]
-    return x.astype(dtype)
+def _load_pages(pool_ref, ids: jax.Array, st: _Static, dtype: jnp.dtype) -> jax.Array:
+    """[block_k, D] keys or values of pages `ids`, int8/fp8 converted exactly (scales applied later)."""
+    return pool_ref[ids].reshape(st.block_k, -1).astype(dtype)
 
 
 def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_refs, st: _Static):
@@ -112,9 +111,13 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
         page_idx = j * st.pages_per_tile + lax.broadcasted_iota(jnp.int32, (st.pages_per_tile,), 0)
         ids = bt_ref[s_idx, jnp.minimum(page_idx, max_pages - 1)]
         ids = jnp.where(page_idx < num_pages, ids, last_owned)  # never touch pages past the sequence
-        k = _load_pages(k_ref, ks_ref, ids, st, q.dtype)
-        v = _load_pages(v_ref, vs_ref, ids, st, q.dtype)
+        k = _load_pages(k_ref, ids, st, q.dtype)
+        v = _load_pages(v_ref, ids, st, q.dtype)
         s = dot(q, k, trans_b=True) * logit_scale
+        v_scale = None
+        if st.quantized:  # per-key scales on the logits and the probabilities: [keys], not [keys, D]
+            s = s * ks_ref[ids].reshape(st.block_k)[None, :]
+            v_scale = vs_ref[ids].reshape(st.block_k)
         if st.softcap is not None:
             s = st.softcap * jnp.tanh(s / st.softcap) * LOG2E
         kv_pos = j * st.block_k + lax.broadcasted_iota(jnp.int32, (st.block_k,), 0)
@@ -122,7 +125,7 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
         mask = row_valid[:, None] & in_split[None, :] & (kv_pos[None, :] <= pos[:, None])
         if st.window is not None:
             mask &= pos[:, None] - kv_pos[None, :] < st.window
-        return online_softmax_step(acc, m, l, jnp.where(mask, s, -jnp.inf), v)
+        return online_softmax_step(acc, m, l, jnp.where(mask, s, -jnp.inf), v, v_scale)
 
     init = (
         jnp.zeros((st.rows, d), jnp.float32),
@@ -142,8 +145,9 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
 
 
 def _max_tile_elements(head_dim: int, quantized: bool) -> int:
-    """Rows x head_dim a tile may hold. int8/fp8 pages are dequantised to float32 [keys, head_dim]
-    in registers too: at head dim 256 that needs half the rows (else ~50 B of spills per thread)."""
+    """Rows x head_dim a tile may hold. int8/fp8 pages add their raw and converted [keys, head_dim]
+    tiles and per-key scales: at head dim 256 that needs half the rows (else 24 B of spills per thread
+    at 8 warps, sm_90a, with the scales on logits and probabilities)."""
     return MAX_TILE_ELEMENTS // (2 if quantized and head_dim >= 256 else 1)
 
 

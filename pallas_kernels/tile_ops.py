@@ -15,12 +15,14 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
 
 
 def online_softmax_step(
-    acc: jax.Array, m: jax.Array, l: jax.Array, s: jax.Array, v: jax.Array
+    acc: jax.Array, m: jax.Array, l: jax.Array, s: jax.Array, v: jax.Array, v_scale: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one tile of base-2 logits `s` [rows, keys] (-inf where masked) and values `v` into the
-    running (unnormalised output, row max, row sum). Rows that have seen no key keep m = -inf."""
+    running (unnormalised output, row max, row sum). Rows that have seen no key keep m = -inf.
+    `v_scale` [keys] (quantized values) scales the probabilities before the dot, not each value."""
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp2(s - m_safe[:, None])
     corr = jnp.exp2(m - m_safe)
-    return corr[:, None] * acc + dot(p.astype(v.dtype), v), m_new, corr * l + jnp.sum(p, axis=-1)
+    pv = p if v_scale is None else p * v_scale[None, :]
+    return corr[:, None] * acc + dot(pv.astype(v.dtype), v), m_new, corr * l + jnp.sum(p, axis=-1)

@@ -125,3 +125,12 @@ def test_bad_arguments():
     q, k, v, _ = _inputs(1, 8, 8, 4, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="together"):
         flash_attention(q, k, v, q_segment_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_unmasked_and_masked_kv_loops(causal):
+    """Key tiles wholly before a query tile's first position (causal) or wholly real (not causal)
+    take the forward's unmasked loop, the rest the masked one: odd lengths (keys padded), queries
+    starting mid-tile (offset 38), a softcap in both loops; causal tiles run last-first."""
+    q, k, v, do = _inputs(1, 45, 83, 4, 2, 32, jnp.float32, seed=5)
+    _check(q, k, v, do, 1e-5, causal=causal, logit_softcap=20.0)

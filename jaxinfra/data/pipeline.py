@@ -176,6 +176,7 @@ def split_corpus(cfg: DataConfig) -> dict[str, list[str]]:
     """{'train': docs, 'valid': docs} from data.paths (+ data.valid_paths or every k-th document)."""
     if not cfg.paths:
         raise ValueError("data.paths is empty: give text, JSONL or Parquet files")
+
     def load(paths: list[str]) -> list[str]:
         docs = load_documents(paths, cfg.format, cfg.text_field, cfg.separator)
         kept = [d for d in docs if re.match(cfg.include, d)]

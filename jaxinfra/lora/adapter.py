@@ -43,8 +43,8 @@ def apply_lora(
     spec: str,
     x: Float[Array, "*xs"],
     y: Float[Array, "*ys"],
-    a: Float[Array, "*ins r"],
-    b: Float[Array, "r *outs"],
+    a: Float[Array, "*ins R"],
+    b: Float[Array, "R ..."],
     scale: float,
     dropout: float = 0.0,
     key: jax.Array | None = None,
@@ -104,7 +104,8 @@ def _projections(model: LlamaModel) -> Iterator[tuple[nnx.Module, str, tuple]]:
     for i, layer in enumerate(model.layers):
         for name in ATTENTION_MODULES:
             yield layer.attn, name, ("layers", i, "attn", name)
-        mlp, where = layer.mlp, ("layers", i, "mlp")
+        mlp: nnx.Module | None = layer.mlp
+        where: tuple = ("layers", i, "mlp")
         if isinstance(mlp, MoE):  # routed experts are not linears by name; the shared expert is
             mlp, where = mlp.shared, (*where, "shared")
         if isinstance(mlp, MLP):
@@ -127,7 +128,9 @@ def add_lora(model: LlamaModel, cfg: LoraConfig, rngs: nnx.Rngs) -> LlamaModel:
             continue
         w = getattr(owner, name)
         if not isinstance(w, nnx.Param):
-            raise ValueError(f"lora.target_modules: {'.'.join(map(str, path))} is quantized; adapters need dense weights")
+            raise ValueError(
+                f"lora.target_modules: {'.'.join(map(str, path))} is quantized; adapters need dense weights"
+            )
         setattr(owner, name, LoraLinear(w, _N_IN.get(name, 1), cfg.rank, cfg.scale, cfg.dropout, rngs))
         wrapped += 1
     if not wrapped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,7 @@ from jaxinfra.models import LlamaModel
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # adapter_config.json fields whose other values change the math: (field, the one value we support)
-_UNSUPPORTED = (
+_UNSUPPORTED: tuple[tuple[str, Any], ...] = (
     ("use_rslora", False),
     ("use_dora", False),
     ("fan_in_fan_out", False),
@@ -81,7 +82,9 @@ def peft_config(directory: str | Path) -> LoraConfig:
     targets = config.get("target_modules")
     if not isinstance(targets, list):
         raise ValueError(f"{path}: target_modules must be a list of module names, got {targets!r}")
-    return LoraConfig(config["r"], float(config["lora_alpha"]), float(config.get("lora_dropout") or 0.0), tuple(targets))
+    return LoraConfig(
+        config["r"], float(config["lora_alpha"]), float(config.get("lora_dropout") or 0.0), tuple(targets)
+    )
 
 
 def load_peft(model: LlamaModel, directory: str | Path) -> LlamaModel:
@@ -100,10 +103,11 @@ def load_peft(model: LlamaModel, directory: str | Path) -> LlamaModel:
                     raise ValueError(f"{directory}: missing tensor {name!r}")
                 value = f.get_tensor(name)
                 if value.shape != shape:
-                    raise ValueError(f"{directory}: tensor {name!r} has shape {list(value.shape)}, expected {list(shape)}")
+                    raise ValueError(
+                        f"{directory}: tensor {name!r} has shape {list(value.shape)}, expected {list(shape)}"
+                    )
                 var.value = jnp.asarray(value.T.reshape(var.shape), dtype=model.cfg.dtype)  # PEFT's [r, in] / [out, r]
                 names.discard(name)
     if names:
         raise ValueError(f"{directory}: unexpected tensor(s) {sorted(names)[:8]}")
     return model
-

@@ -130,7 +130,9 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     entropy = unigram_entropy(document_tokens(tokenizer, d)[1:] for d in corpus["train"][:5000])
 
     if cfg.lora is not None and not pretrained:
-        raise ValueError(f"lora: adapters train on pretrained weights; model {cfg.model!r} is not an HF or run directory")
+        raise ValueError(
+            f"lora: adapters train on pretrained weights; model {cfg.model!r} is not an HF or run directory"
+        )
     abstract = nnx.eval_shape(lambda: LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl))
     model = load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract
     if cfg.lora is not None:

@@ -154,7 +154,9 @@ class ModelDef:
     @staticmethod
     def join(trained: Params, frozen: Params) -> Params:
         """The inverse of partition."""
-        return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trained)})
+        return traverse_util.unflatten_dict(
+            {**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trained)}
+        )
 
     def shardings(self, params: Params, mesh: Mesh, rules: Rules) -> Params:
         flat = traverse_util.flatten_dict(params)
@@ -298,7 +300,7 @@ class Trainer:
         rows, length = next(iter(batch.values())).shape[:2]
         self.check_batch(rows, length)
         params, frozen = self.model_def.partition(params)
-        loss_fn = lambda p, b: self._loss(self.model_def.join(p, frozen), b)  # noqa: E731
+        loss_fn = lambda p, b: self._loss(self.model_def.join(p, frozen), b)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
             (_, parts), grads = grad_fn(params, batch)

@@ -7,11 +7,11 @@ import contextlib
 import contextvars
 import math
 import string
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, traverse_util
 from jaxtyping import Array, Float
 
 from jaxinfra.lora.config import ATTENTION_MODULES, MLP_MODULES, LoraConfig
@@ -97,6 +97,18 @@ class LoraLinear(WrappedLinear):
         delta = jnp.tensordot(self.lora_a[...].astype(jnp.float32), self.lora_b[...].astype(jnp.float32), axes=1)
         value = (w.astype(jnp.float32) + self.scale * delta).astype(w.dtype)
         return nnx.Param(value, logical_axes=self.base.get_metadata().get("logical_axes"))
+
+
+def split_params(params: dict, trains: Callable[[tuple], bool]) -> tuple[dict, dict]:
+    """(the entries whose path `trains`, the rest) of a nested params dict."""
+    flat = traverse_util.flatten_dict(params)
+    parts = [{p: x for p, x in flat.items() if trains(p) == t} for t in (True, False)]
+    return traverse_util.unflatten_dict(parts[0]), traverse_util.unflatten_dict(parts[1])
+
+
+def join_params(trained: dict, frozen: dict) -> dict:
+    """The inverse of split_params."""
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trained)})
 
 
 def _projections(model: LlamaModel) -> Iterator[tuple[nnx.Module, str, tuple]]:

@@ -20,7 +20,7 @@ import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfra.lora.adapter import LoraParam, lora_dropout
+from jaxinfra.lora.adapter import LoraParam, join_params, lora_dropout, split_params
 from jaxinfra.models import LlamaModel, moe
 from jaxinfra.models.layers import fused_projections
 from jaxinfra.models.llama import (
@@ -102,8 +102,7 @@ class ModelDef:
     (params["layers"][name] is [L, ...]): the step runs them as one scan and the optimizer updates
     one array per weight kind, so the compiled step does not grow with depth. `build` and
     `per_layer` give the usual one-module-per-layer form (checkpoints, export, evaluation).
-    A model with LoRA adapters trains only them (`partition`): the base weights get no gradients or
-    optimizer state."""
+    With LoRA adapters only they train (`partition`): the base gets no gradients or optimizer state."""
 
     def __init__(self, model: LlamaModel, scan_layers: bool = False) -> None:
         self.graphdef, state = nnx.split(model, nnx.Param)
@@ -137,26 +136,11 @@ class ModelDef:
         return ("layers", 0, *path[1:]) if self.scan and path[0] == "layers" else path
 
     def logical_axes(self, path: tuple) -> tuple:
-        if self.scan and path[0] == "layers":
-            return ("layers", *self.axes[self._layer0(path)])
-        return self.axes[path]
+        return ("layers", *self.axes[self._layer0(path)]) if self.scan and path[0] == "layers" else self.axes[path]
 
     def partition(self, params: Params) -> tuple[Params, Params]:
-        """(trained, frozen) parts of a params dict: the adapters and the rest if there are adapters,
-        else everything and nothing."""
-        flat = traverse_util.flatten_dict(params)
-        trains = {p: not self.adapters or self._layer0(p) in self.adapters for p in flat}
-        return (
-            traverse_util.unflatten_dict({p: x for p, x in flat.items() if trains[p]}),
-            traverse_util.unflatten_dict({p: x for p, x in flat.items() if not trains[p]}),
-        )
-
-    @staticmethod
-    def join(trained: Params, frozen: Params) -> Params:
-        """The inverse of partition."""
-        return traverse_util.unflatten_dict(
-            {**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trained)}
-        )
+        """(trained, frozen) parts of a params dict: (adapters, the rest) if any, else (all, {})."""
+        return split_params(params, lambda p: not self.adapters or self._layer0(p) in self.adapters)
 
     def shardings(self, params: Params, mesh: Mesh, rules: Rules) -> Params:
         flat = traverse_util.flatten_dict(params)
@@ -200,9 +184,8 @@ class Trainer:
         self.opt_shardings = optax.tree_map_params(
             self.optimizer, lambda _, s: s, abstract_opt, opt_param_shardings, transform_non_params=lambda _: replicated
         )
-        self.grad_shardings = (
-            opt_param_shardings if rules.shard_grads else self.model_def.partition(self.param_shardings)[0]
-        )
+        trained_shardings = self.model_def.partition(self.param_shardings)[0]
+        self.grad_shardings = opt_param_shardings if rules.shard_grads else trained_shardings
         # the state's shardings, as a pytree of the state's structure
         self.state_shardings = TrainState(cast(Any, replicated), self.param_shardings, self.opt_shardings)
         self.batch_sharding = NamedSharding(mesh, PartitionSpec(rules.activations.get("batch")))
@@ -294,13 +277,13 @@ class Trainer:
         self, params: Params, batch: dict[str, jax.Array]
     ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
         """Mean cross-entropy and gradients (of the whole objective) over the batch, accumulated over
-        `microbatches` (traced in the step), and the objective's parts summed (see _loss). Gradients
-        are of the trained parameters only (the adapters, for a model with LoRA adapters)."""
+        `microbatches` (traced in the step), and the objective's parts summed (see _loss); gradients
+        of the trained parameters only (ModelDef.partition)."""
         micro = self.cfg.microbatches
         rows, length = next(iter(batch.values())).shape[:2]
         self.check_batch(rows, length)
         params, frozen = self.model_def.partition(params)
-        loss_fn = lambda p, b: self._loss(self.model_def.join(p, frozen), b)
+        loss_fn = lambda p, b: self._loss(join_params(p, frozen), b)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
             (_, parts), grads = grad_fn(params, batch)
@@ -347,7 +330,7 @@ class Trainer:
             loss, grads, parts = self.loss_and_grads(state.params, batch)  # ZeRO-2/3: grads reduce-scattered
             trained, frozen = self.model_def.partition(state.params)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
-            params = self.model_def.join(optax.apply_updates(trained, updates), frozen)
+            params = join_params(optax.apply_updates(trained, updates), frozen)
         count = parts["count"]
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
         if "expert_tokens" in parts:  # per-expert load for the logs: tokens per expert per MoE layer

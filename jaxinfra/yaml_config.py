@@ -52,8 +52,8 @@ def build_dataclass(cls: type[T], data: Any, where: str = "", kind: str = "confi
     if unknown:
         raise ValueError(f"unknown {kind}(s) {[f'{where}{k}' for k in unknown]}")
     kwargs = {
-        k: build_dataclass(hints[k], v, f"{where}{k}.", kind)
-        if dataclasses.is_dataclass(hints[k])
+        k: build_dataclass(nested, v, f"{where}{k}.", kind)
+        if (nested := _dataclass_of(hints[k])) is not None and v is not None
         else _coerce(hints[k], v, f"{where}{k}")
         for k, v in data.items()
     }
@@ -61,6 +61,13 @@ def build_dataclass(cls: type[T], data: Any, where: str = "", kind: str = "confi
         return cls(**kwargs)
     except TypeError as e:
         raise ValueError(f"{where or 'config'}: {e}") from None
+
+
+def _dataclass_of(hint: Any) -> Any:
+    """The dataclass a field holds (`X` or `X | None`), else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    return next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ class DataConfig:
     separator: str = "\n\n"  # document separator in text files
     valid_paths: list[str] = dataclasses.field(default_factory=list)  # held-out files; else valid_fraction
     valid_fraction: float = 0.02
+    include: str = ""  # a regex: only the documents it matches at their start (e.g. one book: "Psalms ")
     seq_len: int = 256
     shuffle_seed: int = 0
     packing_bins: int = 8
@@ -46,6 +48,10 @@ class DataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.shards < 0 or self.prefetch < 0:
             raise ValueError("data.shards and data.prefetch must be >= 0")
+        try:
+            re.compile(self.include)
+        except re.error as e:
+            raise ValueError(f"data.include: {self.include!r} is not a regular expression ({e})") from None
 
 
 class _Chunk(grain.experimental.FlatMapTransform):
@@ -170,8 +176,16 @@ def split_corpus(cfg: DataConfig) -> dict[str, list[str]]:
     """{'train': docs, 'valid': docs} from data.paths (+ data.valid_paths or every k-th document)."""
     if not cfg.paths:
         raise ValueError("data.paths is empty: give text, JSONL or Parquet files")
-    docs = load_documents(cfg.paths, cfg.format, cfg.text_field, cfg.separator)
+
+    def load(paths: list[str]) -> list[str]:
+        docs = load_documents(paths, cfg.format, cfg.text_field, cfg.separator)
+        kept = [d for d in docs if re.match(cfg.include, d)]
+        if not kept:
+            raise ValueError(f"data.include: {cfg.include!r} matches none of the documents of {paths}")
+        return kept
+
+    docs = load(cfg.paths)
     if cfg.valid_paths:
-        return {"train": docs, "valid": load_documents(cfg.valid_paths, cfg.format, cfg.text_field, cfg.separator)}
+        return {"train": docs, "valid": load(cfg.valid_paths)}
     train, valid = split_documents(docs, cfg.valid_fraction)
     return {"train": train, "valid": valid}

@@ -137,11 +137,21 @@ class QuantizedLinear(nnx.Module):
         return y.reshape(*lead, *self.out_shape)
 
 
-Weight = nnx.Param | QuantizedLinear
+class WrappedLinear(nnx.Module):
+    """A weight with more computation around its projection (jaxinfra.lora's adapters): w(spec, x)."""
+
+    def __call__(self, spec: str, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+
+Weight = nnx.Param | QuantizedLinear | WrappedLinear
 
 
 def linear(spec: str, x: jax.Array, w: Weight) -> jax.Array:
-    """A projection: `jnp.einsum(spec, x, w)` for a dense weight, the quantized matmul otherwise."""
+    """A projection: `jnp.einsum(spec, x, w)` for a dense weight, the quantized matmul for a quantized
+    one, and a wrapped weight's own call."""
     if isinstance(w, QuantizedLinear):
         return w(x)
+    if isinstance(w, WrappedLinear):
+        return w(spec, x)
     return weight_einsum(spec, x, w[...])

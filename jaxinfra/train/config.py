@@ -12,6 +12,7 @@ import yaml
 
 from jaxinfra.checkpoint.manager import CheckpointConfig
 from jaxinfra.data import DataConfig
+from jaxinfra.lora import LoraConfig
 from jaxinfra.train.optimizer import OptimConfig
 from jaxinfra.train.step import TrainConfig
 from jaxinfra.yaml_config import build_dataclass, load_mapping
@@ -52,6 +53,9 @@ class RunConfig:
     # a model: train an EAGLE draft head over its frozen hidden states instead (`model` is then not
     # used: the head takes the target's shape), written to <out_dir>/hf (jaxinfra/train/eagle.py)
     eagle_target: str | None = None
+    # low-rank adapters on a pretrained `model` (an HF or run directory): only they train, and the
+    # run writes them to <out_dir>/adapter in PEFT's format instead of the whole model to <out_dir>/hf
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         self.train_config()  # checks remat, microbatches and compute_dtype

@@ -24,6 +24,7 @@ from jaxinfra.config import ModelConfig
 from jaxinfra.data import DataLoader, split_corpus, unigram_entropy
 from jaxinfra.data.pipeline import document_tokens
 from jaxinfra.loading import load_config, load_model, load_tokenizer
+from jaxinfra.lora import add_lora, save_peft
 from jaxinfra.models import LlamaModel
 from jaxinfra.tokenizer import Tokenizer
 from jaxinfra.train.config import RunConfig, dump_run_config
@@ -42,6 +43,7 @@ class TrainResult:
     final_step: int
     eval_loss: float | None
     unigram_entropy: float  # nats/token of the training split's token frequencies
+    base_eval_loss: float | None = None  # LoRA runs: the held-out loss before training (the base model's)
 
 
 def model_source(cfg: RunConfig) -> tuple[ModelConfig, Tokenizer, bool]:
@@ -74,11 +76,16 @@ def _evaluate(trainer: Trainer, params: Any, data: DataLoader, num_batches: int,
     return loss_sum / count
 
 
-def _export(trainer: Trainer, params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out: Path) -> None:
+def _export(cfg: RunConfig, trainer: Trainer, params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer) -> None:
+    """The whole model to <out_dir>/hf, or a LoRA run's adapters to <out_dir>/adapter (PEFT's format)."""
     host = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
-        export_hf(trainer.model_def.build(jax.tree.map(jnp.asarray, host)), out, dtype=model_cfg.dtype)
-        tokenizer.save(out)
+        model = trainer.model_def.build(jax.tree.map(jnp.asarray, host))
+        if cfg.lora is not None:
+            save_peft(model, Path(cfg.out_dir) / "adapter", base_model=cfg.model)
+            return
+        export_hf(model, Path(cfg.out_dir) / "hf", dtype=model_cfg.dtype)
+        tokenizer.save(Path(cfg.out_dir) / "hf")
 
 
 class StepProfiler:
@@ -122,13 +129,15 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     valid_data = DataLoader(cfg.data, tokenizer, rows, "valid", corpus["valid"]) if corpus["valid"] else None
     entropy = unigram_entropy(document_tokens(tokenizer, d)[1:] for d in corpus["train"][:5000])
 
+    if cfg.lora is not None and not pretrained:
+        raise ValueError(
+            f"lora: adapters train on pretrained weights; model {cfg.model!r} is not an HF or run directory"
+        )
     abstract = nnx.eval_shape(lambda: LlamaModel(model_cfg, nnx.Rngs(cfg.seed), cfg.attn_impl))
-    trainer = Trainer(
-        load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract,
-        mesh,
-        get_rules(cfg.sharding),
-        cfg.train_config(),
-    )
+    model = load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract
+    if cfg.lora is not None:
+        add_lora(model, cfg.lora, nnx.Rngs(cfg.seed))
+    trainer = Trainer(model, mesh, get_rules(cfg.sharding), cfg.train_config())
     checkpoints = TrainCheckpointer(out / "checkpoints", cfg.checkpoint)
     start = checkpoints.latest_step() or 0
     if start:
@@ -161,7 +170,10 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     peak = cfg.peak_tflops or device_peak_tflops()
     state_gib = per_device_bytes(state) / 2**30
     pending: list[dict[str, jax.Array]] = []
-    eval_loss = None
+    eval_loss = base_loss = None
+    if cfg.lora is not None and valid_data and start == 0:  # adapters start as a no-op: the base model's loss
+        base_loss = _evaluate(trainer, state.params, valid_data, cfg.eval_batches, rows)
+        logger.log(0, "eval", {"loss": base_loss, "perplexity": math.exp(min(base_loss, 50.0))})
     tic = time.perf_counter()
     profiler = StepProfiler(cfg.profile_steps, cfg.profile_start, out / "tb")
     if trainer.pipeline is not None and chief:
@@ -219,7 +231,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     if valid_data:
         valid_data.close()
     if cfg.export_hf and start < cfg.steps:
-        _export(trainer, state.params, model_cfg, tokenizer, out / "hf")
+        _export(cfg, trainer, state.params, model_cfg, tokenizer)
     if chief and (out / "metrics.jsonl").is_file():
         plot_losses(out / "metrics.jsonl", out / "loss.png", {"unigram entropy": entropy})
-    return TrainResult(out, start, cfg.steps, eval_loss, entropy)
+    return TrainResult(out, start, cfg.steps, eval_loss, entropy, base_loss)

@@ -133,7 +133,7 @@ def memory_report(
             MemoryRow(
                 preset,
                 sharded_bytes(state.params, trainer.param_shardings),
-                sharded_bytes(state.params, trainer.grad_shardings),
+                sharded_bytes(trainer.model_def.partition(state.params)[0], trainer.grad_shardings),
                 sharded_bytes(state.opt_state, trainer.opt_shardings),
                 activation_bytes(
                     cfg,

@@ -20,6 +20,7 @@ import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxinfra.lora.adapter import LoraParam, join_params, lora_dropout, split_params
 from jaxinfra.models import LlamaModel, moe
 from jaxinfra.models.layers import fused_projections
 from jaxinfra.models.llama import (
@@ -100,12 +101,14 @@ class ModelDef:
     With `scan_layers` the decoder layers' parameters live stacked on a leading `layers` axis
     (params["layers"][name] is [L, ...]): the step runs them as one scan and the optimizer updates
     one array per weight kind, so the compiled step does not grow with depth. `build` and
-    `per_layer` give the usual one-module-per-layer form (checkpoints, export, evaluation)."""
+    `per_layer` give the usual one-module-per-layer form (checkpoints, export, evaluation).
+    With LoRA adapters only they train (`partition`): the base gets no gradients or optimizer state."""
 
     def __init__(self, model: LlamaModel, scan_layers: bool = False) -> None:
         self.graphdef, state = nnx.split(model, nnx.Param)
         self.template = nnx.to_flat_state(state)
         self.axes = {path: var.get_metadata()["logical_axes"] for path, var in self.template}
+        self.adapters = {path for path, var in self.template if isinstance(var, LoraParam)}
         self.num_layers = len(model.layers)
         self.scan = scan_layers and self.num_layers > 0
         if self.scan:
@@ -128,10 +131,16 @@ class ModelDef:
     def build(self, params: Params) -> LlamaModel:
         return merge_params(self.graphdef, self.template, self.per_layer(params))
 
+    def _layer0(self, path: tuple) -> tuple:
+        """A stacked layer parameter's path as layer 0's (identity for the rest)."""
+        return ("layers", 0, *path[1:]) if self.scan and path[0] == "layers" else path
+
     def logical_axes(self, path: tuple) -> tuple:
-        if self.scan and path[0] == "layers":
-            return ("layers", *self.axes[("layers", 0, *path[1:])])
-        return self.axes[path]
+        return ("layers", *self.axes[self._layer0(path)]) if self.scan and path[0] == "layers" else self.axes[path]
+
+    def partition(self, params: Params) -> tuple[Params, Params]:
+        """(trained, frozen) parts of a params dict: (adapters, the rest) if any, else (all, {})."""
+        return split_params(params, lambda p: not self.adapters or self._layer0(p) in self.adapters)
 
     def shardings(self, params: Params, mesh: Mesh, rules: Rules) -> Params:
         flat = traverse_util.flatten_dict(params)
@@ -169,13 +178,14 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.optim)
         params = jax.tree.map(_to_fp32, self.model_def.params_of(model))
         self.param_shardings = self.model_def.shardings(params, mesh, rules.params)
-        opt_param_shardings = self.model_def.shardings(params, mesh, rules.optimizer)
+        opt_param_shardings = self.model_def.partition(self.model_def.shardings(params, mesh, rules.optimizer))[0]
         replicated = NamedSharding(mesh, PartitionSpec())
-        abstract_opt = jax.eval_shape(self.optimizer.init, params)
+        abstract_opt = jax.eval_shape(self.optimizer.init, self.model_def.partition(params)[0])
         self.opt_shardings = optax.tree_map_params(
             self.optimizer, lambda _, s: s, abstract_opt, opt_param_shardings, transform_non_params=lambda _: replicated
         )
-        self.grad_shardings = opt_param_shardings if rules.shard_grads else self.param_shardings
+        trained_shardings = self.model_def.partition(self.param_shardings)[0]
+        self.grad_shardings = opt_param_shardings if rules.shard_grads else trained_shardings
         # the state's shardings, as a pytree of the state's structure
         self.state_shardings = TrainState(cast(Any, replicated), self.param_shardings, self.opt_shardings)
         self.batch_sharding = NamedSharding(mesh, PartitionSpec(rules.activations.get("batch")))
@@ -209,7 +219,7 @@ class Trainer:
         )
 
     def _init_impl(self, params: Params) -> TrainState:
-        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(self.model_def.partition(params)[0]))
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Global batch (the same numpy arrays on every process) -> arrays sharded over the mesh; each
@@ -267,11 +277,14 @@ class Trainer:
         self, params: Params, batch: dict[str, jax.Array]
     ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
         """Mean cross-entropy and gradients (of the whole objective) over the batch, accumulated over
-        `microbatches` (traced in the step), and the objective's parts summed (see _loss)."""
+        `microbatches` (traced in the step), and the objective's parts summed (see _loss); gradients
+        of the trained parameters only (ModelDef.partition)."""
         micro = self.cfg.microbatches
         rows, length = next(iter(batch.values())).shape[:2]
         self.check_batch(rows, length)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        params, frozen = self.model_def.partition(params)
+        loss_fn = lambda p, b: self._loss(join_params(p, frozen), b)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
             (_, parts), grads = grad_fn(params, batch)
             return self._mean(parts, grads)
@@ -283,7 +296,7 @@ class Trainer:
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, parts, p)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        shapes = jax.eval_shape(self._loss, params, jax.tree.map(lambda x: x[0], split))[1]
+        shapes = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], split))[1]
         init = (zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
         (grads, parts), _ = jax.lax.scan(accumulate, init, split)
         return self._mean(parts, grads)
@@ -312,10 +325,12 @@ class Trainer:
             )
 
     def _step_impl(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        with logical_rules(self.mesh, self.rules.activations):
+        dropout_key = jax.random.fold_in(jax.random.key(0), state.step)  # LoRA dropout's, if any
+        with logical_rules(self.mesh, self.rules.activations), lora_dropout(dropout_key):
             loss, grads, parts = self.loss_and_grads(state.params, batch)  # ZeRO-2/3: grads reduce-scattered
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            trained, frozen = self.model_def.partition(state.params)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
+            params = join_params(optax.apply_updates(trained, updates), frozen)
         count = parts["count"]
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
         if "expert_tokens" in parts:  # per-expert load for the logs: tokens per expert per MoE layer

@@ -98,9 +98,7 @@ def build_core(
         seed=args.seed,
         quantization=args.quantization,
     )
-    core = EngineCore(model, args, eos_token_ids)
-    if stream is not None:
-        core.stream_loops(stream)
+    core = EngineCore(model, args, eos_token_ids, stream=stream)
     if warmup:
         core.runner.warmup(args.background_compile, args.compile_threads)
     return core

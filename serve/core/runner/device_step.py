@@ -199,18 +199,18 @@ class DeviceStep:
     def multi(self, state, caches, buffers, prev_tokens, *, layout, num_steps):
         """The decode loop (its per-row budgets and the step id packed after the inputs)."""
         self._traced()
-        inputs, sampling, budget, step_id = unpack(buffers, layout)
-        args = (state, caches, inputs, sampling, prev_tokens, budget, step_id, num_steps)
+        inputs, sampling, budgets, step_id = unpack(buffers, layout)
+        args = (state, caches, inputs, sampling, prev_tokens, budgets, step_id, num_steps)
         return self._sharded(self._decode_loop, *args)
 
-    def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, step_id, num_steps):
+    def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budgets, step_id, num_steps):
         """Up to num_steps decode steps; a row stops by the host's stop rule (`stop_code`) or at its budget,
         and the loop ends early once every row has stopped; each iteration's tokens go to `loop_tap`
         as they are made, when set. Tokens [K, S], -1 where none, each row's
         last token (padded to max_num_seqs: what the next step feeds from the device), for an MoE
         model the token copies each expert took over the loop, and the tap's last receipt."""
         model, stack = self._model(state)
-        s = budget.shape[0]
+        s = budgets.shape[0]
         eos = jnp.asarray(self.layout.eos_token_ids or (-1,), jnp.int32)
         rows = jnp.arange(s)
         positions0, kv0, tables = inputs.positions, inputs.kv_lens, inputs.block_tables
@@ -229,7 +229,7 @@ class DeviceStep:
             is_eos = jnp.any(out.tokens[:, None] == eos[None, :], axis=1)
             is_stop_id = jnp.any(out.tokens[:, None] == t.stop_ids, axis=1)
             code = jnp.where(active, stop_code(is_eos, is_stop_id, t.out_pos + 1, t.min_tokens, ~t.ignore_eos), 0)
-            stopped = (code > 0) | (i + 1 >= budget)
+            stopped = (code > 0) | (i + 1 >= budgets)
             if self.loop_tap is not None:  # per row: its token (-1: none), its stop code (serve.core.sequence)
                 receipt = self.loop_tap(jnp.concatenate([step_id, i[None], jnp.where(active, out.tokens, -1), code]))
             acc = jax.tree.map(
@@ -249,7 +249,7 @@ class DeviceStep:
         ids = self._input_ids(inputs, prev_tokens)
         moe_layers = sum(self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers))
         load = jnp.zeros((moe_layers, self.cfg.num_experts), jnp.int32) if moe_layers else None
-        init = (jnp.int32(0), ids, ids, budget > 0, caches, acc, load, jnp.zeros((1,), jnp.int32))
+        init = (jnp.int32(0), ids, ids, budgets > 0, caches, acc, load, jnp.zeros((1,), jnp.int32))
         _, _, last, _, caches, (tokens, lp, top_ids, top_lp), load, receipt = jax.lax.while_loop(
             lambda c: (c[0] < num_steps) & jnp.any(c[3]), body, init
         )

@@ -55,7 +55,7 @@ class StepBatch:
     inputs: StepInputs
     sampling: SamplingTensors
     max_q_len: int
-    budget: np.ndarray | None = None  # decode loop: [sb] steps each row runs (padding rows 0)
+    budgets: np.ndarray | None = None  # decode loop: [sb] steps each row runs (padding rows 0): sched.budgets, padded
     history: tuple[np.ndarray, np.ndarray] | None = None  # resampling: [S, L] ids and is-output flags
     prompt_logprobs: bool = False
     grammar_rows: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (matcher, row) to mask
@@ -152,11 +152,11 @@ class InputBuilder:
                         nxt = s.tokens[start + 1 : min(start + n + 1, s.prompt_len)]
                         targets[cu[i] : cu[i] + len(nxt)] = nxt
                         prompt_logprobs = True
-        budget, plan_kv = None, kv_lens
+        budgets, plan_kv = None, kv_lens
         if sched.budgets is not None:
-            budget = np.zeros(sb, np.int32)
-            budget[:n_seq] = sched.budgets
-            plan_kv = kv_lens + np.maximum(budget - 1, 0)  # pages up to the last token the loop may write
+            budgets = np.zeros(sb, np.int32)
+            budgets[:n_seq] = sched.budgets
+            plan_kv = kv_lens + np.maximum(budgets - 1, 0)  # pages up to the last token the loop may write
         columns: dict[str, Any] = dict(
             input_ids=input_ids,
             prev_index=prev_index,
@@ -170,7 +170,7 @@ class InputBuilder:
         )
         inputs = StepInputs(**columns, **self.work_tiles(cu, block_tables, plan_kv, tb, max_q_len))
         sampling = table.sampling(rows, sb, out_pos)
-        batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs, rows=rows)
+        batch = StepBatch(sched, inputs, sampling, max_q_len, budgets, prompt_logprobs=prompt_logprobs, rows=rows)
         if sched.draft_ids is not None:
             batch.spec = verify_arrays(sched.draft_ids, logits_indices[:n_seq], sb)
         if resample:
@@ -220,5 +220,5 @@ class InputBuilder:
         empty = np.zeros(0, np.int32)
         # may_draft: warm-up compiles a device proposer's steps too
         sched = SchedulerOutput([], empty, empty, empty, empty, num_steps=num_steps, may_draft=True)
-        budget = np.zeros(sb, np.int32) if num_steps > 1 else None
-        return StepBatch(sched, inputs, self.slots.sampling(empty, sb, empty), q, budget)
+        budgets = np.zeros(sb, np.int32) if num_steps > 1 else None
+        return StepBatch(sched, inputs, self.slots.sampling(empty, sb, empty), q, budgets)

@@ -197,11 +197,11 @@ class ModelRunner:
     @staticmethod
     def _loop_buffers(batch: StepBatch) -> tuple[dict[str, np.ndarray], Layout]:
         """A decode loop's packed inputs: the step's, each row's budget and the step id."""
-        return pack((batch.inputs, batch.sampling, batch.budget, np.array([batch.sched.step_id], np.int32)))
+        return pack((batch.inputs, batch.sampling, batch.budgets, np.array([batch.sched.step_id], np.int32)))
 
     def dispatch(self, batch: StepBatch) -> InFlight:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
-        if batch.budget is not None:
+        if batch.budgets is not None:
             buffers, layout = self._loop_buffers(batch)
             out, self.prev_tokens, self.kv_cache, load, _ = self._multi(  # _: the loop tap's receipt
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
@@ -283,7 +283,7 @@ class ModelRunner:
 
     def compiled_text(self, batch: StepBatch) -> str:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
-        if batch.budget is not None:
+        if batch.budgets is not None:
             buffers, layout = self._loop_buffers(batch)
             lowered = self._multi.lower(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps

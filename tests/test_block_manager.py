@@ -8,6 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from serve import EngineArgs, SamplingParams
 from serve.core.kv_cache import BlockManager
+from serve.core.layout import CoreLayout
 from serve.core.scheduler import Scheduler
 from serve.core.sequence import Sequence, Status
 from serve.kv_transfer.shm_connector import SharedMemoryConnector
@@ -65,7 +66,7 @@ def _rows(out):
 def test_scheduler_budget_chunking_and_preemption():
     """The scheduler counts what it schedules as computed, and a finished prompt's token as pending."""
     bm = BlockManager(6, 4)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    sched = Scheduler(bm, CoreLayout(max_num_seqs=4, max_num_batched_tokens=8))
     a, b = _seq(range(10)), _seq(range(100, 105))
     sched.add(a)
     sched.add(b)
@@ -87,8 +88,8 @@ def test_prefill_tokens_per_decode_caps_prompt_tokens_while_sequences_decode(per
     (waiting prompts and unfinished chunks alike), stretched to fill the token bucket the step pads to;
     without running sequences, or the cap, the budget."""
     bm = BlockManager(64, 4)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, prefill_tokens_per_decode=per_decode)
-    sched.prefill.token_buckets = buckets
+    layout = CoreLayout(8, 64, prefill_tokens_per_decode=per_decode, token_buckets=tuple(buckets))
+    sched = Scheduler(bm, layout)
     a, b, c = _seq(range(20)), _seq(range(100, 140)), _seq(range(200, 230))
     sched.add(a)
     assert _rows(sched.schedule()) == [(a, 20)]  # nothing runs: the whole budget
@@ -115,7 +116,7 @@ def test_decode_loops_while_the_waiting_have_no_free_row():
     """A decode-only batch loops num_scheduler_steps unless a waiting prompt could join it now: one that
     waits for a free row (max_num_seqs taken) does not break the loop; each row loops within its budget."""
     bm = BlockManager(64, 4)
-    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, num_scheduler_steps=4)
+    sched = Scheduler(bm, CoreLayout(max_num_seqs=2, max_num_batched_tokens=64, num_scheduler_steps=4))
     short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     a, b = _seq(range(5)), Sequence("r", 1, list(range(10, 15)), short, 0, None)
     for seq in (a, b):
@@ -142,7 +143,7 @@ def test_sequences_with_loaded_kv_are_not_stuck_behind_a_head_short_of_blocks():
     back at the head cannot get blocks while they hold them, so they are admitted first (they need at most
     one more block each), not left behind it forever."""
     bm = BlockManager(8, 4)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, connector=SharedMemoryConnector(4))
+    sched = Scheduler(bm, CoreLayout(max_num_seqs=4, max_num_batched_tokens=16), connector=SharedMemoryConnector(4))
     loaded = [Sequence(f"loaded{i}", 0, list(range(13)), PARAMS, 0, None) for i in range(2)]
     for seq in loaded:  # what RemoteLoads.start and the worker leave: every prompt token but the last in place
         assert bm.allocate_slots(seq, 12)
@@ -211,7 +212,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(10, 4, enable_prefix_caching=True)
-        self.sched = Scheduler(self.bm, max_num_seqs=3, max_num_batched_tokens=8)
+        self.sched = Scheduler(self.bm, CoreLayout(max_num_seqs=3, max_num_batched_tokens=8))
         self.seqs: list[Sequence] = []
 
     @rule(n=st.integers(1, 20), prefix=st.booleans())

@@ -199,10 +199,10 @@ def test_compiled_steps_never_copy_a_kv_pool(scan_layers):
     shapes = [
         runner.shapes()[0],
         runner.shapes()[-1],
-        (8, 8, runner.width_buckets[-1], 1),
-        (1, 1, runner.width_buckets[0], 1),
+        (8, 8, runner.layout.width_buckets[-1], 1),
+        (1, 1, runner.layout.width_buckets[0], 1),
     ]
-    batches = [runner.dummy(*shape) for shape in shapes] + [runner.dummy(8, 8, runner.width_buckets[-1], 1, 4)]
+    batches = [runner.dummy(*shape) for shape in shapes] + [runner.dummy(8, 8, runner.layout.width_buckets[-1], 1, 4)]
     for batch in batches:
         lines = runner.compiled_text(batch).splitlines()
         copies = [line for line in lines if " copy(" in line and any(pool in line for pool in pools)]

@@ -13,6 +13,7 @@ import pytest
 
 from serve import EngineArgs, SamplingParams
 from serve.core.kv_cache import BlockManager
+from serve.core.layout import CoreLayout
 from serve.core.scheduler import Scheduler
 from serve.core.sequence import Sequence
 from serve.engine.input_processor import InputProcessor
@@ -41,7 +42,7 @@ def _step(sched: Scheduler, length: int) -> list[tuple[Sequence, int]]:
 
 def _admission_order(policy: str) -> list[str]:
     """Tenant a queues 6 requests; b queues one once a's first two run (2 rows): the admission order."""
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64, policy=policy)
+    sched = Scheduler(BlockManager(64, 4), CoreLayout(2, 64, scheduling_policy=policy))
     for i in range(6):
         sched.add(_seq(f"a{i}", "a", arrival=i))
     order: list[str] = []
@@ -65,7 +66,7 @@ def test_a_late_tenant_is_admitted_before_another_tenants_backlog(policy):
 def test_weights_split_the_engine_in_proportion():
     """Tenants of weight 3 and 1, both with deep backlogs of equal requests: the tokens each computes
     over a window follow the weights."""
-    sched = Scheduler(BlockManager(256, 4), max_num_seqs=4, max_num_batched_tokens=64, policy="fair")
+    sched = Scheduler(BlockManager(256, 4), CoreLayout(4, 64, scheduling_policy="fair"))
     for i in range(60):
         sched.add(_seq(f"a{i}", "a", weight=3.0, arrival=i))
         sched.add(_seq(f"b{i}", "b", weight=1.0, arrival=i))
@@ -81,7 +82,7 @@ def test_preemption_takes_the_most_served_tenants_newest_sequence():
     tenant a, which has been served more since b joined."""
     victims = {}
     for policy in ("fcfs", "fair"):
-        sched = Scheduler(BlockManager(5, 4), max_num_seqs=4, max_num_batched_tokens=64, policy=policy)
+        sched = Scheduler(BlockManager(5, 4), CoreLayout(4, 64, scheduling_policy=policy))
         a0, a1, b0 = _seq("a0", "a", 7), _seq("a1", "a", 7), _seq("b0", "b", 1)
         sched.add(a0)
         sched.add(a1)
@@ -99,7 +100,7 @@ def test_one_tenant_under_fair_is_exactly_fcfs():
     runs = {}
     for policy in ("fcfs", "fair"):
         rng = random.Random(0)
-        sched = Scheduler(BlockManager(12, 4), max_num_seqs=3, max_num_batched_tokens=8, policy=policy)
+        sched = Scheduler(BlockManager(12, 4), CoreLayout(3, 8, scheduling_policy=policy))
         steps = []
         for i in range(120):
             if rng.random() < 0.3:
@@ -114,7 +115,7 @@ def test_one_tenant_under_fair_is_exactly_fcfs():
 def test_an_idle_tenant_banks_no_credit():
     """Tenant a runs alone for long; then b arrives with a backlog as deep as a's. b does not take
     every row for as long as a ran: the admissions alternate."""
-    sched = Scheduler(BlockManager(256, 4), max_num_seqs=2, max_num_batched_tokens=64, policy="fair")
+    sched = Scheduler(BlockManager(256, 4), CoreLayout(2, 64, scheduling_policy="fair"))
     for i in range(40):
         sched.add(_seq(f"a{i}", "a", arrival=i))
     for _ in range(60):

@@ -2,15 +2,12 @@
 hands out, the utilization's share, weights, a step's activation peak and XLA's scratch margin; a
 model that does not fit is one error naming them; the engine and plan-serve agree."""
 
-import types
-
 import jax
 import pytest
 
 from jaxinfra.loading import load_config
 from jaxinfra.workload import Workload
 from serve.config import EngineArgs
-from serve.core.engine_core import EngineCore
 from serve.core.kv_budget import (
     XLA_SCRATCH_SHARE,
     DeviceMemory,
@@ -18,6 +15,7 @@ from serve.core.kv_budget import (
     step_token_budget,
     step_workspace_bytes,
 )
+from serve.core.layout import blocks_from_memory
 from serve.core.runner.sizing import kv_block_bytes
 from serve.plan_serve import Device, plan
 
@@ -94,7 +92,7 @@ def test_the_engine_sizes_from_device_statistics_and_agrees_with_plan_serve(monk
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu({"bytes_limit": limit, "bytes_in_use": weights})])
     step_tokens = step_token_budget(args, 4096)
-    blocks = EngineCore._blocks_from_memory(types.SimpleNamespace(cfg=cfg), args, step_tokens)
+    blocks = blocks_from_memory(cfg, args, step_tokens)
     planned = plan(
         "llama-3.2-1b",
         cfg,
@@ -116,7 +114,7 @@ def test_the_engine_refuses_a_model_that_does_not_fit_at_start(monkeypatch) -> N
     stats = {"bytes_limit": int(4 * GIB * 0.9), "bytes_in_use": int(3.5 * GIB)}
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeGpu(stats)])
     with pytest.raises(ValueError, match="does not fit on the device"):
-        EngineCore._blocks_from_memory(types.SimpleNamespace(cfg=cfg), args, step_token_budget(args, 4096))
+        blocks_from_memory(cfg, args, step_token_budget(args, 4096))
 
 
 ONE_COPY = """

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from serve import SamplingParams
+from serve.core.engine_core import EngineCore
 from serve.core.loop_stream import LoopTokenStream
 from serve.core.pipe_tap import TapPipe
 from serve.types import EngineCoreOutput, EngineCoreOutputs
-from tests.serve_helpers import engine, prompts
+from tests.serve_helpers import engine, model, prompts
 
 
 def out(rid: str, tokens: list[int], finish: str | None = None) -> EngineCoreOutput:
@@ -176,9 +177,7 @@ def test_streamed_decode_loops_give_single_step_tokens_one_per_output():
     looped = engine(num_scheduler_steps=8)
     msgs: list[EngineCoreOutputs] = []
     stream = LoopTokenStream(msgs.append)
-    looped.core.stream_loops(stream)
-    with pytest.raises(RuntimeError, match="before the first step is compiled"):
-        singles.core.stream_loops(stream)  # its decode loop may already be traced without the tap
+    looped.core = EngineCore(model(), looped.args, looped.tokenizer.eos_token_ids, looped.tokenizer, stream=stream)
     loops = []
     dispatch = looped.core.runner.dispatch
     looped.core.runner.dispatch = lambda batch: loops.append(batch.sched.num_steps) or dispatch(batch)

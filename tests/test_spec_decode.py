@@ -15,6 +15,7 @@ from jax.scipy.special import gammaincc
 from jaxinfra.loading import DEFAULT_MODEL, load_config
 from serve import EngineArgs, SamplingParams
 from serve.core.kv_cache import BlockManager
+from serve.core.layout import CoreLayout
 from serve.core.sampler import ROW_FIELDS, SamplingTensors, apply_penalties, sample
 from serve.core.scheduler import Scheduler
 from serve.core.sequence import Sequence
@@ -107,7 +108,7 @@ def test_auto_off_drafts_while_few_run_and_stays_asynchronous_above(device_propo
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     ngram = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2)
     proposer = DraftSlots(2) if device_proposer else NgramProposer(ngram)
-    sched = Scheduler(BlockManager(64, 4), 8, 64, proposer=proposer, disable_spec_above=2)
+    sched = Scheduler(BlockManager(64, 4), CoreLayout(8, 64, disable_spec_above=2), proposer=proposer)
     seqs = [Sequence(f"r{i}", 0, [1, 2, 3, 1, 2], params, 0) for i in range(3)]
     for seq in seqs:
         sched.add(seq)

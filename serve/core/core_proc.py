@@ -81,9 +81,7 @@ def build_core(
     """Load the model and build (and optionally warm up) an EngineCore; `stream`: its decode loops'
     tokens are streamed through it. With args.background_compile, warm-up goes on after this returns."""
     enable_compilation_cache(args.compilation_cache_dir)
-    core = EngineCore(load_engine_model(args), args, eos_token_ids)
-    if stream is not None:
-        core.stream_loops(stream)
+    core = EngineCore(load_engine_model(args), args, eos_token_ids, stream=stream)
     if warmup:
         core.runner.warmup(args.background_compile, args.compile_threads)
     return core

@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
-
 from jaxinfra.config import ModelConfig
 from jaxinfra.loading import load_model, load_tokenizer, model_dir
 from jaxinfra.models import LlamaModel
@@ -23,14 +21,8 @@ from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core.device_memory import memory_breakdown
 from serve.core.expert_load import ExpertLoad
-from serve.core.kv_budget import (
-    DeviceMemory,
-    engine_max_model_len,
-    kv_cache_blocks,
-    step_token_budget,
-    xla_mem_fraction,
-)
 from serve.core.kv_cache import BlockManager
+from serve.core.layout import resolve
 from serve.core.loop_stream import LoopTokenStream, streams_in_loop
 from serve.core.model_loading import load_engine_model
 from serve.core.request_state import CoreRequest
@@ -55,75 +47,40 @@ class EngineCore:
         args: EngineArgs,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Tokenizer | None = None,
+        stream: LoopTokenStream | None = None,
     ) -> None:
-        """`tokenizer` serves structured outputs (loaded from the model's folder when needed if None)."""
+        """`tokenizer` serves structured outputs (loaded from the model's folder when needed if None);
+        `stream`: decode loops' tokens stream through it as they are made, so streams may loop too."""
         cfg = model.cfg
         self.args = args
         self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size
-        self.max_model_len = engine_max_model_len(cfg, args)
-        if self.max_model_len > cfg.context_length:
-            raise ValueError(
-                f"EngineArgs.max_model_len ({self.max_model_len}) exceeds the model's "
-                f"context length ({cfg.context_length}: max_position_embeddings with its RoPE scaling)"
-            )
-        ep = args.expert_parallel()
-        if ep > 1 and not cfg.num_experts:
-            raise ValueError(f"EngineArgs.expert_parallel_size ({ep}) needs a mixture-of-experts model (this is dense)")
-        if ep > 1 and cfg.num_experts % ep:
-            raise ValueError(
-                f"EngineArgs.expert_parallel_size ({ep}) must divide the model's num_experts ({cfg.num_experts})"
-            )
-        budget = step_token_budget(args, self.max_model_len)
         spec = args.speculative()
         draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
         eagle = self._eagle_head(spec, args, cfg) if spec is not None and spec.method == "eagle" else None
         draft_cfg = draft.cfg if draft is not None else eagle.cfg if eagle is not None else None
-        num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget, draft_cfg)
-        if num_blocks * args.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
-                f"max_model_len ({self.max_model_len}); give it more memory or lower max_model_len"
-            )
-        self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
-        self.eos_set = frozenset(self.eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        proposer = self._proposer(spec)
+        self.layout = layout = resolve(args, cfg, eos_token_ids, draft_cfg)
+        self.max_model_len = layout.max_model_len
+        self.eos_token_ids = layout.eos_token_ids
+        self.block_manager = BlockManager(layout.num_blocks, layout.block_size, args.enable_prefix_caching)
         kv_transfer = args.kv_transfer()
-        connector = kv_transfer.connector(args.block_size) if kv_transfer is not None else None
+        connector = kv_transfer.connector(layout.block_size) if kv_transfer is not None else None
         self.scheduler = Scheduler(
             self.block_manager,
-            args.max_num_seqs,
-            budget,
-            args.enable_chunked_prefill,
-            args.scheduling_policy,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            num_scheduler_steps=args.num_scheduler_steps,
-            prefill_tokens_per_decode=args.prefill_tokens_per_decode,
-            proposer=proposer,
-            disable_spec_above=spec.disable_by_batch_size if spec is not None else None,
+            layout,
+            proposer=self._proposer(spec),
             connector=connector,
+            stream_loops=stream is not None,
         )
+        self._grammar: GrammarCompiler | None = None
         self.runner = ModelRunner(
             model,
-            block_size=args.block_size,
-            num_blocks=num_blocks,
-            max_model_len=self.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=budget,
-            kv_cache_dtype=args.kv_cache_dtype,
-            eos_token_ids=self.eos_token_ids,
-            tensor_parallel_size=args.tensor_parallel_size,
-            expert_parallel_size=ep,
-            attn_impl=args.attn_impl,
-            scan_layers=args.scan_layers,
-            num_scheduler_steps=args.num_scheduler_steps,
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            layout,
             draft_model=draft,
             eagle_head=eagle,
+            loop_tap=stream.device_tap if stream is not None else None,
+            grammar=self.grammar,
         )
-        self.scheduler.prefill.token_buckets = self.runner.token_buckets  # a capped prefill fills the step's bucket
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         self.expert_load = ExpertLoad(moe_layers, cfg.num_experts) if moe_layers else None
@@ -131,16 +88,7 @@ class EngineCore:
         self.inflight: collections.deque[InFlight] = collections.deque()
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
         self.applied_step = -1  # the last step id whose results were applied
-        self.loop_stream: LoopTokenStream | None = None
-
-    def stream_loops(self, stream: LoopTokenStream) -> None:
-        """Stream decode loops' tokens through `stream` as they are made, so streams may loop too
-        (before warm-up: the loop is traced with its tap)."""
-        if self.runner.num_compilations:
-            raise RuntimeError("EngineCore.stream_loops must be called before the first step is compiled")
         self.loop_stream = stream
-        self.scheduler.stream_loops = True
-        self.runner.device.loop_tap = stream.device_tap(self.runner.device.mesh)
 
     @staticmethod
     def _proposer(spec: SpeculativeConfig | None) -> NgramProposer | DraftSlots | EagleDrafts | None:
@@ -173,18 +121,6 @@ class EngineCore:
         cls._device_proposer_args(spec, args)
         assert spec.model is not None
         return load_eagle_head(model_dir(spec.model), target, attn_impl=args.attn_impl)
-
-    @staticmethod
-    def _blocks_from_memory(
-        model: LlamaModel, args: EngineArgs, step_tokens: int, draft_cfg: ModelConfig | None = None
-    ) -> int:
-        """KV blocks for this device's memory (what is in use now: the weights, a draft's or head's
-        too, all on the first device until the runner shards them); their pool shares the budget."""
-        device = jax.devices()[0]
-        if device.platform == "gpu" and args.kv_cache_memory is None:
-            memory = DeviceMemory.from_stats(device.memory_stats(), xla_mem_fraction())
-            return kv_cache_blocks(model.cfg, args, step_tokens, memory, memory.in_use, draft_cfg)
-        return kv_cache_blocks(model.cfg, args, step_tokens, draft=draft_cfg)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:
@@ -235,12 +171,12 @@ class EngineCore:
 
     def grammar(self) -> GrammarCompiler:
         """The structured-output compiler, built with the first request that needs it."""
-        if self.runner.grammar is None:
+        if self._grammar is None:
             tok = self.tokenizer or load_tokenizer(self.args.tokenizer or self.args.model)
             if tok is None:
                 raise ValueError("structured outputs need the model's tokenizer, and this model has none")
-            self.runner.grammar = GrammarCompiler(tok, self.vocab_size, self.eos_token_ids)
-        return self.runner.grammar
+            self._grammar = GrammarCompiler(tok, self.vocab_size, self.eos_token_ids)
+        return self._grammar
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self.inflight)

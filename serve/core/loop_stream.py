@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from serve.core.pipe_tap import TapPipe
-from serve.core.sequence import Sequence
+from serve.core.sequence import Sequence, finish_reason
 from serve.types import EngineCoreOutput, EngineCoreOutputs
 
 # A streamed row: (request id, sequence index, the loop token that ends it by max_tokens or max_model_len,
@@ -147,8 +147,8 @@ class LoopTokenStream:
         return ended
 
     def _stream(self, step: _Step, values: np.ndarray, ended: set[tuple[str, int]]) -> None:
-        """One iteration's tokens, a one-token output per row; a row's last says how it finished:
-        stop code 1 (EOS: no stop reason) or 2 (a stop id: the reason), or its length token. Rows that
+        """One iteration's tokens, a one-token output per row; a row's last says how it finished (the
+        host's rule, `finish_reason`, of its stop code or its length token). Rows that
         finished earlier (`_finished` by the last results, `ended` by a loop still out) are skipped."""
         assert step.rows is not None
         s = len(values) // 2
@@ -158,10 +158,7 @@ class LoopTokenStream:
                 continue
             out = EngineCoreOutput(row[0], row[1], [token])
             n = step.sent[row[:2]] = step.sent.get(row[:2], 0) + 1
-            if how:
-                out.finish_reason, out.stop_reason = "stop", None if how == 1 else token
-            elif n == row[2]:
-                out.finish_reason = "length"
+            out.finish_reason, out.stop_reason = finish_reason(token, how, n == row[2])
             if out.finish_reason is not None:
                 step.ended.add(row[:2])
             outputs.append(out)

@@ -17,7 +17,7 @@ class PrefillBudget:
 
     max_num_batched_tokens: int
     per_decode: int = 0
-    token_buckets: list[int] = dataclasses.field(default_factory=list)  # the runner's (set by EngineCore)
+    token_buckets: tuple[int, ...] = ()  # the steps' (CoreLayout's)
 
     def cap(self, running: int) -> int:
         """Prompt tokens a step may take with `running` sequences running."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from serve.core.decode_loop import loop_steps
 from serve.core.kv_cache import BlockManager
+from serve.core.layout import CoreLayout
 from serve.core.prefill_budget import PrefillBudget
 from serve.core.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
 from serve.core.scheduling_policy import POLICIES
@@ -44,34 +45,30 @@ class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
+        layout: CoreLayout,
         *,
-        max_model_len: int = 2**31 - 1,
-        eos_token_ids: tuple[int, ...] = (),
-        num_scheduler_steps: int = 1,
-        prefill_tokens_per_decode: int = 0,
         proposer: NgramProposer | DraftSlots | EagleDrafts | None = None,
-        disable_spec_above: int | None = None,
         connector: KVConnectorBase | None = None,
+        stream_loops: bool = False,
     ) -> None:
-        """`prefill_tokens_per_decode`: see EngineArgs. `proposer`: speculative decoding's, drafting for
-        decodes while at most `disable_spec_above` sequences run (None: always). `connector`:
-        disaggregation's KV connector (scheduler side)."""
+        """`proposer`: speculative decoding's, drafting for decodes while at most
+        `layout.disable_spec_above` sequences run (None: always). `connector`: disaggregation's KV
+        connector (scheduler side). `stream_loops`: see the class docstring."""
         self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.policy = POLICIES[policy]()
-        self.max_model_len = max_model_len
-        self.eos_set = frozenset(eos_token_ids)
-        self.num_scheduler_steps = num_scheduler_steps
-        self.prefill = PrefillBudget(max_num_batched_tokens, prefill_tokens_per_decode if enable_chunked_prefill else 0)
-        self.stream_loops = False  # set by EngineCore.stream_loops
+        self.layout = layout
+        self.max_num_seqs = layout.max_num_seqs
+        self.max_num_batched_tokens = budget = layout.max_num_batched_tokens
+        self.enable_chunked_prefill = layout.enable_chunked_prefill
+        self.policy = POLICIES[layout.scheduling_policy]()
+        self.max_model_len = layout.max_model_len
+        self.eos_set = frozenset(layout.eos_token_ids)
+        per_decode = layout.prefill_tokens_per_decode if layout.enable_chunked_prefill else 0
+        self.prefill = PrefillBudget(budget, per_decode, layout.token_buckets)  # a capped prefill fills its bucket
+        self.stream_loops = stream_loops
         self.num_steps_made = 0
-        self.spec = None if proposer is None else SpecScheduling(proposer, disable_spec_above, max_model_len)
+        self.spec = (
+            None if proposer is None else SpecScheduling(proposer, layout.disable_spec_above, layout.max_model_len)
+        )
         self.connector = connector
         self.remote = None if connector is None else RemoteLoads(connector, block_manager)
         self.waiting = self.policy  # the waiting queue, in the policy's order
@@ -168,7 +165,7 @@ class Scheduler:
                 n += extra
             if n > budget:
                 n = budget
-            if n <= 0 or total - seq.prompt_len >= seq.max_output:
+            if n <= 0 or total - seq.prompt_len >= seq.max_tokens:
                 i += 1  # nothing to compute, or max_tokens already in flight
                 continue
             slots = n if spec is None else n + spec.lookahead(seq, n)
@@ -222,7 +219,7 @@ class Scheduler:
 
     def budget(self, seq: Sequence) -> int:
         """Tokens a sequence may still produce: up to max_tokens and max_model_len."""
-        return max(min(self.max_model_len - seq.num_tokens, seq.max_output - seq.num_output_tokens), 0)
+        return max(min(self.max_model_len - seq.num_tokens, seq.max_tokens - seq.num_output_tokens), 0)
 
     def _output(
         self, scheduled: list[tuple[Sequence, int]], preempted: list[Sequence], drafts: dict[int, list[int]]
@@ -232,7 +229,7 @@ class Scheduler:
         step that reads them runs after it)."""
         n = len(scheduled)
         seqs = [s for s, _ in scheduled]
-        k = self.num_scheduler_steps
+        k = self.layout.num_scheduler_steps
         admissible = bool(self.waiting) and len(self.running) < self.max_num_seqs
         num_steps = loop_steps(scheduled, k, admissible, self.stream_loops, self.bm, self.budget)
         rows = [(c, s.num_computed_tokens, len(s.tokens), s.num_pending) for s, c in scheduled]
@@ -319,7 +316,7 @@ class Scheduler:
                     and seq.started
                     and token not in eos
                     and token not in seq.stop_ids
-                    and n - seq.prompt_len < seq.max_output
+                    and n - seq.prompt_len < seq.max_tokens
                     and n < max_len
                 ):
                     known.append(token)

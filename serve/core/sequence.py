@@ -11,10 +11,27 @@ from serve.sampling_params import INT32_MAX, SamplingParams
 _counter = itertools.count()
 
 
-def stops(is_eos: Any, is_stop_id: Any, produced: Any, min_tokens: Any, check_eos: Any) -> Any:
-    """The stop rule on token ids, one for the host (Python bools and ints) and the device's decode
-    loop (arrays over its rows): EOS (unless ignored) or a stop token id, once min_tokens are out."""
-    return (produced >= min_tokens) & ((is_eos & check_eos) | is_stop_id)
+STOP_EOS, STOP_ID = 1, 2  # stop codes: a token stopped its sequence as EOS, or as a stop token id (0: neither)
+
+
+def stop_code(is_eos: Any, is_stop_id: Any, produced: Any, min_tokens: Any, check_eos: Any) -> Any:
+    """The stop rule on token ids, for the host (Python bools and ints) and the device's decode loop
+    (arrays over its rows): STOP_EOS (unless ignored) or STOP_ID once min_tokens are out, else 0."""
+    eos = is_eos & check_eos
+    return ((produced >= min_tokens) & (eos | is_stop_id)) * (STOP_ID - eos)
+
+
+def finish_reason(token: int, code: int, at_length: bool, complete: bool = False) -> tuple[str | None, int | None]:
+    """The finish rule of a sequence's new token, for the host's results and the decode loop's stream:
+    (finish reason, stop token id) or (None, None). `code`: its stop code (`stop_code`); `complete`: its
+    grammar is; `at_length`: it reached max_tokens or max_model_len."""
+    if code:
+        return "stop", None if code == STOP_EOS else token
+    if complete:
+        return "stop", None
+    if at_length:
+        return "length", None
+    return None, None
 
 
 class Status(enum.Enum):
@@ -71,7 +88,7 @@ class Sequence:
         self.matcher: Any = None  # structured outputs: the llguidance matcher following its output
         self.kv_transfer_params: dict[str, Any] | None = None  # disaggregation: read by the KV connector
         # the stop rules, read every step
-        self.max_output = INT32_MAX if params.max_tokens is None else params.max_tokens
+        self.max_tokens = INT32_MAX if params.max_tokens is None else params.max_tokens
         self.min_tokens = params.min_tokens
         self.stop_ids = frozenset(params.stop_token_ids)
         self.check_eos = not params.ignore_eos
@@ -96,15 +113,8 @@ class Sequence:
     def stop_check(
         self, token: int, eos: frozenset[int], max_model_len: int, complete: bool
     ) -> tuple[str | None, int | None]:
-        """(finish reason, stop token id) after `token` was appended, or (None, None): EOS or a stop
-        id (the rule the device loop applies, `stops`), a complete grammar (`complete`), max_tokens,
-        max_model_len."""
+        """(finish reason, stop token id) after `token` was appended, or (None, None): the finish rule
+        (`finish_reason`) for its counts; `complete`: its grammar is."""
         produced = len(self.tokens) - self.prompt_len
-        is_eos = token in eos
-        if stops(is_eos, token in self.stop_ids, produced, self.min_tokens, self.check_eos):
-            return "stop", None if is_eos and self.check_eos else token
-        if complete:
-            return "stop", None
-        if produced >= self.max_output or len(self.tokens) >= max_model_len:
-            return "length", None
-        return None, None
+        code = stop_code(token in eos, token in self.stop_ids, produced, self.min_tokens, self.check_eos)
+        return finish_reason(token, code, produced >= self.max_tokens or len(self.tokens) >= max_model_len, complete)

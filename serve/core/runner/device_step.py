@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,19 +20,25 @@ from pallas_kernels import PagedMetadata
 from serve.core.host_transfer import unpack
 from serve.core.runner.inputs import StepInputs
 from serve.core.sampler import SamplerOutput, apply_bitmask, apply_penalties, sample
-from serve.core.sequence import stops
+from serve.core.sequence import stop_code
 from serve.core.spec_decode import rejection_sample
 from serve.core.spec_decode.verify_batch import with_drafts
 from serve.sampling_params import MAX_LOGPROBS
 from sharding import logical_rules
 
+if TYPE_CHECKING:  # serve.core.layout imports this package (its sizing)
+    from serve.core.layout import CoreLayout
+
 PROMPT_LOGPROB_CHUNK = 128  # prompt tokens whose full-vocabulary logprobs are computed at once
+# called in each decode loop iteration with [step id, iteration, S tokens (-1: none), S stop codes];
+# returns a receipt the loop carries to its outputs
+LoopTap = Callable[[jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(eq=False)  # hashable by identity: its bound methods are jitted
 class DeviceStep:
     """What the traced steps close over: the model's structure (its weights arrive as a flat list),
-    the activation sharding rules, and the step constants. `num_compilations` counts traces."""
+    the activation sharding rules, and the core's layout. `num_compilations` counts traces."""
 
     cfg: ModelConfig
     graphdef: nnx.GraphDef
@@ -41,14 +47,15 @@ class DeviceStep:
     state_def: Any  # the weights' pytree structure
     mesh: Any
     activation_rules: Any
-    block_size: int
-    max_num_seqs: int
-    eos_token_ids: tuple[int, ...]
+    layout: CoreLayout  # block size, rows (max_num_seqs) and EOS ids
+    loop_tap: LoopTap | None  # decode loops' (serve.core.loop_stream.device_tap), or None
+    return_hidden: bool  # single and verify steps also return the flat batch's hidden states (EAGLE)
     num_compilations: int = 0
-    # called in each decode loop iteration with [step id, iteration, S tokens (-1: none), S stop codes];
-    # returns a receipt the loop carries to its outputs (serve.core.loop_stream.device_tap)
-    loop_tap: Callable[[jax.Array], jax.Array] | None = None
-    return_hidden: bool = False  # single and verify steps also return the flat batch's hidden states (EAGLE)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (the layout's)."""
+        return self.layout.block_size
 
     def _traced(self) -> None:
         self.num_compilations += 1  # runs only while tracing: counts compilations
@@ -84,7 +91,7 @@ class DeviceStep:
         return jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], inputs.input_ids)
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
-        return jnp.zeros((self.max_num_seqs,), jnp.int32).at[: tokens.shape[0]].set(tokens)
+        return jnp.zeros((self.layout.max_num_seqs,), jnp.int32).at[: tokens.shape[0]].set(tokens)
 
     def _prompt_logprobs(self, model: LlamaModel, h: jax.Array, targets: jax.Array):
         """log p(next prompt token) and the top MAX_LOGPROBS per token, a chunk of tokens at a time."""
@@ -147,7 +154,7 @@ class DeviceStep:
         model, h, caches, load = self._hidden_counted(state, caches, inputs, prev_tokens, max_q_len)
         s, k1 = indices.shape
         logits = model.logits(h[indices.reshape(-1)]).reshape(s, k1, -1)
-        out = rejection_sample(drafts, None, logits, sampling, eos_ids=self.eos_token_ids)
+        out = rejection_sample(drafts, None, logits, sampling, eos_ids=self.layout.eos_token_ids)
         last = jnp.take_along_axis(out.tokens, (out.num_emitted - 1)[:, None], axis=1)[:, 0]
         none = jnp.zeros((s, MAX_LOGPROBS), jnp.int32)
         sampled = SamplerOutput(out.tokens, jnp.zeros((s,), jnp.float32), none, none.astype(jnp.float32))
@@ -156,7 +163,7 @@ class DeviceStep:
     def _forward_and_sample(self, state, caches, inputs, sampling, prev_tokens, max_q_len):
         model, h, caches, load = self._hidden_counted(state, caches, inputs, prev_tokens, max_q_len)
         logits = model.logits(h[inputs.logits_indices])
-        out = sample(logits, sampling, eos_ids=self.eos_token_ids)
+        out = sample(logits, sampling, eos_ids=self.layout.eos_token_ids)
         targets = inputs.prompt_targets
         t = targets.shape[0]
         zeros = lambda: (
@@ -184,7 +191,7 @@ class DeviceStep:
         out = sample(
             apply_bitmask(biased, bitmask),
             sampling,
-            eos_ids=self.eos_token_ids,
+            eos_ids=self.layout.eos_token_ids,
             raw_logits=logits,
         )
         return out, self._padded(out.tokens)
@@ -192,19 +199,19 @@ class DeviceStep:
     def multi(self, state, caches, buffers, prev_tokens, *, layout, num_steps):
         """The decode loop (its per-row budgets and the step id packed after the inputs)."""
         self._traced()
-        inputs, sampling, budget, step_id = unpack(buffers, layout)
-        args = (state, caches, inputs, sampling, prev_tokens, budget, step_id, num_steps)
+        inputs, sampling, budgets, step_id = unpack(buffers, layout)
+        args = (state, caches, inputs, sampling, prev_tokens, budgets, step_id, num_steps)
         return self._sharded(self._decode_loop, *args)
 
-    def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budget, step_id, num_steps):
-        """Up to num_steps decode steps; a row stops by the host's stop rule (`stops`) or at its budget,
+    def _decode_loop(self, state, caches, inputs, sampling, prev_tokens, budgets, step_id, num_steps):
+        """Up to num_steps decode steps; a row stops by the host's stop rule (`stop_code`) or at its budget,
         and the loop ends early once every row has stopped; each iteration's tokens go to `loop_tap`
         as they are made, when set. Tokens [K, S], -1 where none, each row's
         last token (padded to max_num_seqs: what the next step feeds from the device), for an MoE
         model the token copies each expert took over the loop, and the tap's last receipt."""
         model, stack = self._model(state)
-        s = budget.shape[0]
-        eos = jnp.asarray(self.eos_token_ids or (-1,), jnp.int32)
+        s = budgets.shape[0]
+        eos = jnp.asarray(self.layout.eos_token_ids or (-1,), jnp.int32)
         rows = jnp.arange(s)
         positions0, kv0, tables = inputs.positions, inputs.kv_lens, inputs.block_tables
 
@@ -218,14 +225,13 @@ class DeviceStep:
                 lambda: model.hidden_states(ids[None], pos[None], meta, caches, stack), active[None]
             )
             t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
-            out = sample(model.logits(h[0]), t, eos_ids=self.eos_token_ids)
+            out = sample(model.logits(h[0]), t, eos_ids=self.layout.eos_token_ids)
             is_eos = jnp.any(out.tokens[:, None] == eos[None, :], axis=1)
             is_stop_id = jnp.any(out.tokens[:, None] == t.stop_ids, axis=1)
-            by_rule = active & stops(is_eos, is_stop_id, t.out_pos + 1, t.min_tokens, ~t.ignore_eos)
-            stopped = by_rule | (i + 1 >= budget)
-            if self.loop_tap is not None:  # per row: its token (-1: none), how it stopped (1: EOS, 2: a stop id)
-                how = jnp.where(by_rule, jnp.where(is_eos & ~t.ignore_eos, 1, 2), 0)
-                receipt = self.loop_tap(jnp.concatenate([step_id, i[None], jnp.where(active, out.tokens, -1), how]))
+            code = jnp.where(active, stop_code(is_eos, is_stop_id, t.out_pos + 1, t.min_tokens, ~t.ignore_eos), 0)
+            stopped = (code > 0) | (i + 1 >= budgets)
+            if self.loop_tap is not None:  # per row: its token (-1: none), its stop code (serve.core.sequence)
+                receipt = self.loop_tap(jnp.concatenate([step_id, i[None], jnp.where(active, out.tokens, -1), code]))
             acc = jax.tree.map(
                 lambda a, x: a.at[i].set(x),
                 acc,
@@ -243,7 +249,7 @@ class DeviceStep:
         ids = self._input_ids(inputs, prev_tokens)
         moe_layers = sum(self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers))
         load = jnp.zeros((moe_layers, self.cfg.num_experts), jnp.int32) if moe_layers else None
-        init = (jnp.int32(0), ids, ids, budget > 0, caches, acc, load, jnp.zeros((1,), jnp.int32))
+        init = (jnp.int32(0), ids, ids, budgets > 0, caches, acc, load, jnp.zeros((1,), jnp.int32))
         _, _, last, _, caches, (tokens, lp, top_ids, top_lp), load, receipt = jax.lax.while_loop(
             lambda c: (c[0] < num_steps) & jnp.any(c[3]), body, init
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -20,6 +20,9 @@ from serve.core.sampler import SamplingTensors
 from serve.core.sequence import Sequence
 from serve.core.spec_decode.verify_batch import verify_arrays
 from serve.core.step_data import SchedulerOutput
+
+if TYPE_CHECKING:  # serve.core.layout imports this package (its sizing)
+    from serve.core.layout import CoreLayout
 
 # Rows of a verify step with a draft model padded to at least this: its proposal loop over a single row
 # hits an XLA CPU slow path (measured 50 ms against 1.1 ms for two rows, default-draft, k = 3).
@@ -52,7 +55,7 @@ class StepBatch:
     inputs: StepInputs
     sampling: SamplingTensors
     max_q_len: int
-    budget: np.ndarray | None = None  # decode loop: [sb] steps each row runs (padding rows 0)
+    budgets: np.ndarray | None = None  # decode loop: [sb] steps each row runs (padding rows 0): sched.budgets, padded
     history: tuple[np.ndarray, np.ndarray] | None = None  # resampling: [S, L] ids and is-output flags
     prompt_logprobs: bool = False
     grammar_rows: list[tuple[Any, int]] = dataclasses.field(default_factory=list)  # (matcher, row) to mask
@@ -68,13 +71,7 @@ class InputBuilder:
     bucket and a (coarser) row bucket; block tables to a width bucket."""
 
     slots: SlotTable
-    block_size: int
-    max_model_len: int
-    token_buckets: list[int]
-    seq_buckets: list[int]
-    mixed_seq_buckets: list[int]
-    width_buckets: list[int]
-    attn_impl: str
+    layout: CoreLayout  # its lengths, block size, buckets and attention implementation
     kernel_shape: tuple[int, int, bool]  # the Pallas kernel's (query heads per KV head, head dim, quantized KV)
     verify_min_rows: int = 1  # a verify step's rows are padded to at least this many
     ready: ReadyShapes = dataclasses.field(default_factory=ReadyShapes)  # what a batch may pad to during warm-up
@@ -91,7 +88,7 @@ class InputBuilder:
         """Host arrays for one step (or a multi-step decode loop). Python touches only the rows that
         changed (new sequences, grown block tables, tokens not fed from the device); the rest is
         numpy over the persistent batch."""
-        table = self.slots
+        table, lay = self.slots, self.layout
         seqs, num_steps = sched.seqs, sched.num_steps
         n_seq = len(seqs)
         rows = table.rows(seqs)
@@ -103,10 +100,10 @@ class InputBuilder:
         # with a prompt chunk: a token bucket and a row bucket.
         k1 = 1 + (sched.draft_ids.shape[1] if sched.draft_ids is not None else 0)
         per_row = 1 if decode_only else k1 if most <= k1 else 0
-        padded_rows = min(max(n_seq, self.verify_min_rows), self.seq_buckets[-1]) if per_row > 1 else n_seq
-        sb = fit(padded_rows, self.seq_buckets if per_row else self.mixed_seq_buckets)
-        tb = sb * per_row if per_row else fit(n_tok, self.token_buckets)
-        width = fit(int(table.num_blocks[rows].max()), self.width_buckets)
+        padded_rows = min(max(n_seq, self.verify_min_rows), lay.seq_buckets[-1]) if per_row > 1 else n_seq
+        sb = fit(padded_rows, lay.seq_buckets if per_row else lay.mixed_seq_buckets)
+        tb = sb * per_row if per_row else fit(n_tok, lay.token_buckets)
+        width = fit(int(table.num_blocks[rows].max()), lay.width_buckets)
         resample = sched.budgets is None and bool(table.resample[rows].any())
         if not self.ready.complete:  # warm-up still compiling: the smallest compiled shape that holds it
             kind = "loop" if sched.budgets is not None else "verify" if sched.draft_ids is not None else "step"
@@ -137,7 +134,8 @@ class InputBuilder:
                     prev_index[cu[i]] = self.prev_row[rows[i]]
         slots = np.full(tb, -1, np.int32)
         p = positions[:n_tok]
-        slots[:n_tok] = block_tables[seq_of_tok, p // self.block_size] * self.block_size + p % self.block_size
+        bs = lay.block_size
+        slots[:n_tok] = block_tables[seq_of_tok, p // bs] * bs + p % bs
         kv_lens = np.zeros(sb, np.int32)
         kv_lens[:n_seq] = starts + counts
         logits_indices = np.zeros(sb, np.int32)
@@ -154,11 +152,11 @@ class InputBuilder:
                         nxt = s.tokens[start + 1 : min(start + n + 1, s.prompt_len)]
                         targets[cu[i] : cu[i] + len(nxt)] = nxt
                         prompt_logprobs = True
-        budget, plan_kv = None, kv_lens
+        budgets, plan_kv = None, kv_lens
         if sched.budgets is not None:
-            budget = np.zeros(sb, np.int32)
-            budget[:n_seq] = sched.budgets
-            plan_kv = kv_lens + np.maximum(budget - 1, 0)  # pages up to the last token the loop may write
+            budgets = np.zeros(sb, np.int32)
+            budgets[:n_seq] = sched.budgets
+            plan_kv = kv_lens + np.maximum(budgets - 1, 0)  # pages up to the last token the loop may write
         columns: dict[str, Any] = dict(
             input_ids=input_ids,
             prev_index=prev_index,
@@ -172,7 +170,7 @@ class InputBuilder:
         )
         inputs = StepInputs(**columns, **self.work_tiles(cu, block_tables, plan_kv, tb, max_q_len))
         sampling = table.sampling(rows, sb, out_pos)
-        batch = StepBatch(sched, inputs, sampling, max_q_len, budget, prompt_logprobs=prompt_logprobs, rows=rows)
+        batch = StepBatch(sched, inputs, sampling, max_q_len, budgets, prompt_logprobs=prompt_logprobs, rows=rows)
         if sched.draft_ids is not None:
             batch.spec = verify_arrays(sched.draft_ids, logits_indices[:n_seq], sb)
         if resample:
@@ -186,10 +184,10 @@ class InputBuilder:
         self, cu: np.ndarray, block_tables: np.ndarray, kv_lens: np.ndarray, tb: int, max_q_len: int
     ) -> dict[str, Any]:
         """The attention's work tiles, built here on the host: a tile plan (XLA) or a work list (Pallas)."""
-        if self.attn_impl == "xla":
+        if self.layout.attn_impl == "xla":
             tokens = tile_tokens(max_q_len, tb)
-            return {"plan": tile_plan(cu, kv_lens, block_tables, self.block_size, tb, tokens, np)}
-        if self.attn_impl == "pallas":
+            return {"plan": tile_plan(cu, kv_lens, block_tables, self.layout.block_size, tb, tokens, np)}
+        if self.layout.attn_impl == "pallas":
             group, head_dim, quantized = self.kernel_shape
             tokens = kernel_tile_tokens(group, head_dim, max_q_len, quantized)
             return {"work": kernel_work_list(cu, tb, tokens, np)}
@@ -197,8 +195,8 @@ class InputBuilder:
 
     def history(self, seqs: list[Sequence], sb: int) -> tuple[np.ndarray, np.ndarray]:
         """Resampling's token history [sb, max_model_len] (-1 pads) and which of it is output."""
-        history = np.full((sb, self.max_model_len), -1, np.int32)
-        is_out = np.zeros((sb, self.max_model_len), bool)
+        history = np.full((sb, self.layout.max_model_len), -1, np.int32)
+        is_out = np.zeros((sb, self.layout.max_model_len), bool)
         for i, s in enumerate(seqs):
             history[i, : len(s.tokens)] = s.tokens
             is_out[i, s.prompt_len : len(s.tokens)] = True
@@ -222,5 +220,5 @@ class InputBuilder:
         empty = np.zeros(0, np.int32)
         # may_draft: warm-up compiles a device proposer's steps too
         sched = SchedulerOutput([], empty, empty, empty, empty, num_steps=num_steps, may_draft=True)
-        budget = np.zeros(sb, np.int32) if num_steps > 1 else None
-        return StepBatch(sched, inputs, self.slots.sampling(empty, sb, empty), q, budget)
+        budgets = np.zeros(sb, np.int32) if num_steps > 1 else None
+        return StepBatch(sched, inputs, self.slots.sampling(empty, sb, empty), q, budgets)

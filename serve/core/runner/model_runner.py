@@ -9,28 +9,30 @@ step's logits in a second jitted call; the host fills the masks while the first 
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
+from jax.sharding import Mesh
 
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import EagleHead
 from jaxinfra.models.llama import layer_graph, stack_layers, unstack_layers
-from pallas_kernels import PagedKVCache, cpu_paged_attention, paged_head_dim, paged_impl
+from pallas_kernels import PagedKVCache, paged_head_dim
 from pallas_kernels.kv_quant import is_quantized_kv
 from serve.config import kv_storage_dtype
 from serve.core.host_transfer import Layout, pack
 from serve.core.runner.batch import SlotTable
 from serve.core.runner.compile_pool import CompilePool
-from serve.core.runner.device_step import DeviceStep
+from serve.core.runner.device_step import DeviceStep, LoopTap
 from serve.core.runner.inflight import InFlight
 from serve.core.runner.inputs import DRAFT_VERIFY_MIN_ROWS, InputBuilder, StepBatch
 from serve.core.runner.ready_shapes import ReadyShapes
-from serve.core.runner.sizing import buckets, fit
+from serve.core.runner.sizing import fit
 from serve.core.runner.warmup import warm_up
 from serve.core.runner.weight_sync import engine_layout, place_like
 from serve.core.spec_decode.draft_model import DraftModelRunner
@@ -39,24 +41,26 @@ from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, named_sharding, shard_state, tensor_parallel_mesh
 
+if TYPE_CHECKING:  # serve.core.layout imports this package (its sizing)
+    from serve.core.layout import CoreLayout
+
 
 def device_step(
     model: LlamaModel,
     graphdef: nnx.GraphDef,
     state: nnx.State,
-    block_size: int,
-    max_num_seqs: int,
-    eos_token_ids: tuple[int, ...] = (),
+    layout: CoreLayout,
     mesh: Any = None,
     activation_rules: Any = None,
-    scan_layers: bool = True,
+    loop_tap: LoopTap | None = None,
+    return_hidden: bool = False,
 ) -> tuple[DeviceStep, list]:
     """The jitted steps' closure for `model` (split into graphdef and placed `state`) and its weights;
-    with `scan_layers`, identical layers' weights are stacked once here and scanned in every step."""
+    with `layout.scan_layers`, identical layers' weights are stacked once here and scanned in every step."""
     params = nnx.to_pure_dict(state)
     template = abstract(nnx.to_flat_state(state))  # shapes only: the weights' one copy is `weights`
     stacked: tuple[nnx.GraphDef, list] | None = None
-    if scan_layers:
+    if layout.scan_layers:
         try:
             graph, layer_template = layer_graph(model.layers)
             stacked = graph, abstract(layer_template)
@@ -65,8 +69,8 @@ def device_step(
             stacked = None
     # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
     weights, state_def = jax.tree.flatten(params)
-    constants = (mesh, activation_rules, block_size, max_num_seqs, eos_token_ids)
-    return DeviceStep(model.cfg, graphdef, template, stacked, state_def, *constants), weights
+    parts = (model.cfg, graphdef, template, stacked, state_def, mesh, activation_rules, layout, loop_tap, return_hidden)
+    return DeviceStep(*parts), weights
 
 
 def abstract(flat: Any) -> list:
@@ -79,70 +83,48 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaModel,
+        layout: CoreLayout,
         *,
-        block_size: int,
-        num_blocks: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        kv_cache_dtype: str = "auto",
-        eos_token_ids: tuple[int, ...] = (),
-        tensor_parallel_size: int = 1,
-        expert_parallel_size: int = 1,
-        attn_impl: str | None = None,
-        scan_layers: bool = True,
-        num_scheduler_steps: int = 1,
-        num_speculative_tokens: int = 0,
         draft_model: LlamaModel | None = None,
         eagle_head: EagleHead | None = None,
+        loop_tap: Callable[[Mesh | None], LoopTap] | None = None,
+        grammar: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
-        """`num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up;
+        """`layout.num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up;
         `draft_model`: the draft_model proposer's, run on its own KV pool before each step;
-        `eagle_head`: the EAGLE proposer's, run on its own KV pool after each single step."""
+        `eagle_head`: the EAGLE proposer's, run on its own KV pool after each single step; `loop_tap`:
+        makes decode loops' tap for the mesh (serve.core.loop_stream); `grammar`: the structured-output
+        compiler that fills token masks (built with the first request that needs one)."""
         cfg = model.cfg
         self.cfg = cfg
-        self.eos_token_ids = tuple(eos_token_ids)  # held back, with stop_token_ids, until min_tokens
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_blocks = math.ceil(max_model_len / block_size)
-        self.num_scheduler_steps = num_scheduler_steps
-        self.num_speculative_tokens = num_speculative_tokens
+        self.layout = layout
+        self.grammar = grammar
         graphdef, state = nnx.split(model)
-        dtype = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
-        self.attn_impl = paged_impl(attn_impl)
-        if self.attn_impl == "cpu" and not cpu_paged_attention.reads(dtype):
-            self.attn_impl = "xla"  # what the attention layers run instead: its tile plans are built here
+        self.attn_impl = layout.attn_impl
         # One pool for every layer, stacked on a leading layers axis: the layers run as one scan.
         self.kv_cache = PagedKVCache.zeros(
-            num_blocks,
-            block_size,
+            layout.num_blocks,
+            layout.block_size,
             cfg.num_kv_heads,
             paged_head_dim(cfg.head_dim, self.attn_impl),
-            dtype,
+            kv_storage_dtype(layout.kv_cache_dtype, cfg.dtype),
             num_layers=cfg.num_layers,
         )
         # expert_parallel_size > 1: an MoE model's experts split whole over that many devices (tp_ep)
-        rules = get_rules("tp_ep" if expert_parallel_size > 1 else "tp")
+        tp, ep = layout.tensor_parallel_size, layout.expert_parallel_size
+        rules = get_rules("tp_ep" if ep > 1 else "tp")
         mesh = None
-        if max(tensor_parallel_size, expert_parallel_size) > 1:  # weights and KV pools split over KV heads
-            mesh = tensor_parallel_mesh(tensor_parallel_size, cfg.num_kv_heads, expert_parallel_size)
+        if max(tp, ep) > 1:  # weights and KV pools split over KV heads
+            mesh = tensor_parallel_mesh(tp, cfg.num_kv_heads, ep)
             state = shard_state(state, mesh, rules.params)
             axes = (None, None, None, "kv_heads", "head_dim")
             self.kv_cache = jax.tree.map(
                 lambda a: jax.device_put(a, named_sharding(axes[: a.ndim], rules.params, a.shape, mesh)),
                 self.kv_cache,
             )
+        tap = loop_tap(mesh) if loop_tap is not None else None
         self.device, self.weights = device_step(
-            model,
-            graphdef,
-            state,
-            block_size,
-            max_num_seqs,
-            self.eos_token_ids,
-            mesh,
-            rules.activations,
-            scan_layers,
+            model, graphdef, state, layout, mesh, rules.activations, tap, return_hidden=eagle_head is not None
         )
         self.layer_graph = self.device.layer_graph
         self._template = abstract(nnx.to_flat_state(state))
@@ -150,52 +132,34 @@ class ModelRunner:
         if draft_model is not None:  # no eos: the draft proposes greedily, the target's sampler stops
             draft_graphdef, draft_state = nnx.split(draft_model)
             self.draft = DraftModelRunner(
-                *device_step(
-                    draft_model, draft_graphdef, draft_state, block_size, max_num_seqs, scan_layers=scan_layers
-                ),
-                num_blocks=num_blocks,
-                block_size=block_size,
-                kv_cache_dtype=kv_cache_dtype,
+                *device_step(draft_model, draft_graphdef, draft_state, dataclasses.replace(layout, eos_token_ids=())),
+                num_blocks=layout.num_blocks,
+                block_size=layout.block_size,
+                kv_cache_dtype=layout.kv_cache_dtype,
                 attn_impl=self.attn_impl,
             )
         self.eagle = None
         if eagle_head is not None:
-            self.device.return_hidden = True
             self.eagle = EagleRunner(
                 self.device,
                 eagle_head,
-                num_speculative_tokens,
-                num_blocks=num_blocks,
-                kv_cache_dtype=kv_cache_dtype,
+                layout.num_speculative_tokens,
+                num_blocks=layout.num_blocks,
+                kv_cache_dtype=layout.kv_cache_dtype,
                 attn_impl=self.attn_impl,
             )
-        # Tokens of a step: a prompt chunk beside the decodes pads to the next power of two (its matmuls cost
-        # what it pads to; coarser buckets, x4, made 16 decodes + a 64-token prompt a 256-token step)
-        self.token_buckets = buckets(max_num_batched_tokens, min(16, max_num_batched_tokens))
-        self.seq_buckets = buckets(max_num_seqs, 1)
-        # Rows of a step with a prompt chunk: coarser, since each pairs with the token buckets
-        self.mixed_seq_buckets = buckets(max_num_seqs, min(16, max_num_seqs), factor=4)
-        # Block-table columns (both attention implementations read only the pages a batch uses); below
-        # 16 pages a narrower table saves less than its compiled shapes cost at start-up.
-        self.width_buckets = buckets(self.max_blocks, min(16, self.max_blocks), factor=4)
-        self.slots = SlotTable(2 * max_num_seqs, self.max_blocks, cfg.vocab_size)
+        self.slots = SlotTable(2 * layout.max_num_seqs, layout.max_blocks, cfg.vocab_size)
         self.ready = ReadyShapes()  # the compiled shapes batches pad to while warm-up runs
         self.compile_pool: CompilePool | None = None
         pool = self.kv_cache.k
         self.inputs = InputBuilder(
             self.slots,
-            block_size,
-            max_model_len,
-            self.token_buckets,
-            self.seq_buckets,
-            self.mixed_seq_buckets,
-            self.width_buckets,
-            self.attn_impl,
+            layout,
             (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
             DRAFT_VERIFY_MIN_ROWS if self.draft is not None else 1,
             self.ready,
         )
-        self._no_prev = jnp.zeros((max_num_seqs,), jnp.int32)
+        self._no_prev = jnp.zeros((layout.max_num_seqs,), jnp.int32)
         if mesh is not None:  # placed as the steps place their sampled tokens, so the first step's call is theirs
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._no_prev = jax.device_put(self._no_prev, replicated)
@@ -209,7 +173,6 @@ class ModelRunner:
         self._draft_verify = jax.jit(
             self._draft_then_verify, donate_argnums=(1, 3), static_argnames=("layout", "max_q_len")
         )
-        self.grammar: GrammarCompiler | None = None  # set by the engine core with its first structured request
 
     @property
     def num_compilations(self) -> int:
@@ -234,11 +197,11 @@ class ModelRunner:
     @staticmethod
     def _loop_buffers(batch: StepBatch) -> tuple[dict[str, np.ndarray], Layout]:
         """A decode loop's packed inputs: the step's, each row's budget and the step id."""
-        return pack((batch.inputs, batch.sampling, batch.budget, np.array([batch.sched.step_id], np.int32)))
+        return pack((batch.inputs, batch.sampling, batch.budgets, np.array([batch.sched.step_id], np.int32)))
 
     def dispatch(self, batch: StepBatch) -> InFlight:
         """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
-        if batch.budget is not None:
+        if batch.budgets is not None:
             buffers, layout = self._loop_buffers(batch)
             out, self.prev_tokens, self.kv_cache, load, _ = self._multi(  # _: the loop tap's receipt
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
@@ -275,7 +238,7 @@ class ModelRunner:
             bitmask = np.full((sb, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
             if batch.grammar_rows:
                 assert self.grammar is not None
-                self.grammar.fill(batch.grammar_rows, bitmask)  # while the forward pass runs
+                self.grammar().fill(batch.grammar_rows, bitmask)  # while the forward pass runs
             bias = batch.bias or self.slots.bias(np.zeros(0, np.int32), sb)
             extra, extra_layout = pack((batch.sampling, *batch.history, bitmask, *bias))
             out, padded = self._resample(logits, extra, layout=extra_layout)
@@ -304,7 +267,7 @@ class ModelRunner:
         if self.eagle is None or not flight.batch.sched.may_draft:
             return flight
         batch = flight.batch
-        rows = self.eagle.row_columns(batch.sched, batch.inputs.kv_lens.shape[0], self.max_model_len)
+        rows = self.eagle.row_columns(batch.sched, batch.inputs.kv_lens.shape[0], self.layout.max_model_len)
         flight.drafts = self.eagle.propose(
             self.weights,
             h[0],
@@ -320,7 +283,7 @@ class ModelRunner:
 
     def compiled_text(self, batch: StepBatch) -> str:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""
-        if batch.budget is not None:
+        if batch.budgets is not None:
             buffers, layout = self._loop_buffers(batch)
             lowered = self._multi.lower(
                 self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
@@ -337,13 +300,14 @@ class ModelRunner:
         """Every (tokens, sequences, block-table width, max_q_len) a step can have: decode-only
         batches (one token per sequence bucket slot) and batches with a prompt chunk (a token bucket,
         and a row bucket up to the one holding as many rows as it has tokens)."""
-        decode = [(sb, sb, w, 1) for sb in self.seq_buckets for w in self.width_buckets]
+        lay = self.layout
+        decode = [(sb, sb, w, 1) for sb in lay.seq_buckets for w in lay.width_buckets]
         mixed = [
             (tb, sb, w, tb)
-            for tb in self.token_buckets
-            for sb in self.mixed_seq_buckets
-            if sb <= fit(min(tb, self.max_num_seqs), self.mixed_seq_buckets)
-            for w in self.width_buckets
+            for tb in lay.token_buckets
+            for sb in lay.mixed_seq_buckets
+            if sb <= fit(min(tb, lay.max_num_seqs), lay.mixed_seq_buckets)
+            for w in lay.width_buckets
         ]
         return decode + mixed
 
@@ -351,11 +315,12 @@ class ModelRunner:
         """Every shape a speculative verify step can have (none without speculation): the mixed shapes
         (never a decode-only batch: a row with drafts brings up to k + 1 tokens), and k + 1 tokens per
         sequence bucket slot when every row brings at most that many."""
-        k1 = self.num_speculative_tokens + 1
+        lay = self.layout
+        k1 = lay.num_speculative_tokens + 1
         if k1 == 1:
             return []
-        rows = [sb for sb in self.seq_buckets if sb >= min(self.inputs.verify_min_rows, self.seq_buckets[-1])]
-        per_row = [(sb * k1, sb, w, k1) for sb in rows for w in self.width_buckets]
+        rows = [sb for sb in lay.seq_buckets if sb >= min(self.inputs.verify_min_rows, lay.seq_buckets[-1])]
+        per_row = [(sb * k1, sb, w, k1) for sb in rows for w in lay.width_buckets]
         return [shape for shape in self.shapes() if shape[3] > 1] + per_row
 
     def params(self) -> dict:

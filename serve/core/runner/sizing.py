@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 
@@ -19,7 +20,7 @@ def buckets(limit: int, start: int, factor: int = 2) -> list[int]:
     return out
 
 
-def fit(n: int, options: list[int]) -> int:
+def fit(n: int, options: Sequence[int]) -> int:
     """The smallest bucket that holds n."""
     for b in options:
         if n <= b:

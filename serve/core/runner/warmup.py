@@ -14,7 +14,7 @@ warm-up always did: its proposer's jitted calls are made inside the step's dispa
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
@@ -30,15 +30,15 @@ from serve.core.runner.ready_shapes import ReadyShapes, Shape, resample_shape
 from serve.core.spec_decode.verify_batch import verify_arrays
 from serve.core.structured_output import bitmask_words
 
+if TYPE_CHECKING:  # serve.core.layout imports this package (its sizing)
+    from serve.core.layout import CoreLayout
+
 
 class Runner(Protocol):
     """What warm-up reads of serve.core.runner.model_runner.ModelRunner (which imports this module)."""
 
     cfg: ModelConfig
-    num_scheduler_steps: int
-    num_speculative_tokens: int
-    seq_buckets: list[int]
-    width_buckets: list[int]
+    layout: CoreLayout
     slots: SlotTable
     inputs: InputBuilder
     ready: ReadyShapes
@@ -88,15 +88,15 @@ def shape_groups(runner: Runner) -> list[list[Shape]]:
     prompt chunk and with k + 1 tokens a row (speculative decoding)."""
     steps = [Shape("step", *s) for s in runner.shapes()]
     loops = []
-    if runner.num_scheduler_steps > 1:
-        loops = [Shape("loop", sb, sb, w, 1) for sb in runner.seq_buckets for w in runner.width_buckets]
+    if runner.layout.num_scheduler_steps > 1:
+        loops = [Shape("loop", sb, sb, w, 1) for sb in runner.layout.seq_buckets for w in runner.layout.width_buckets]
     verify = [Shape("verify", *s) for s in runner.verify_shapes()]
-    k1 = runner.num_speculative_tokens + 1
+    k1 = runner.layout.num_speculative_tokens + 1
     groups = [
         [s for s in steps if s.q == 1],
         [s for s in steps if s.q > 1],
         loops,
-        [resample_shape(sb) for sb in runner.seq_buckets],
+        [resample_shape(sb) for sb in runner.layout.seq_buckets],
         [s for s in verify if s.q != k1 or s.tokens != s.rows * k1],
         [s for s in verify if s.q == k1 and s.tokens == s.rows * k1],
     ]
@@ -119,12 +119,12 @@ def compile_job(runner: Runner, shape: Shape, state: tuple[Any, Any, Any]) -> Ca
     weights, kv, prev = state
     tokens, rows, width, q = shape[1:]
     if shape.kind == "loop":
-        steps = runner.num_scheduler_steps
+        steps = runner.layout.num_scheduler_steps
         loop, loop_layout = runner._loop_buffers(runner.dummy(tokens, rows, width, q, steps))
         loop = abstract(loop)
         return lambda: runner._multi.lower(weights, kv, loop, prev, layout=loop_layout, num_steps=steps).compile()
     if shape.kind == "resample":
-        step = runner.dummy(rows, rows, runner.width_buckets[0], 1)
+        step = runner.dummy(rows, rows, runner.layout.width_buckets[0], 1)
         step_buffers, step_layout = pack((step.inputs, step.sampling))
         step_buffers = abstract(step_buffers)
         bitmask = np.full((rows, bitmask_words(runner.cfg.vocab_size)), -1, np.int32)
@@ -139,7 +139,7 @@ def compile_job(runner: Runner, shape: Shape, state: tuple[Any, Any, Any]) -> Ca
         return resample
     batch = runner.dummy(tokens, rows, width, q)
     if shape.kind == "verify":
-        spec = verify_arrays(np.zeros((0, runner.num_speculative_tokens), np.int32), np.zeros(0, np.int32), rows)
+        spec = verify_arrays(np.zeros((0, runner.layout.num_speculative_tokens), np.int32), np.zeros(0, np.int32), rows)
         verify, v_layout = pack((batch.inputs, batch.sampling, *spec))
         verify = abstract(verify)
         return lambda: runner._verify.lower(weights, kv, verify, prev, None, layout=v_layout, max_q_len=q).compile()
@@ -173,17 +173,17 @@ def warm_up_by_dispatch(runner: Runner) -> None:
     """Run every shape once, one after the other (a runner with a device proposer): the steps, the
     decode loops, the resampler per sequence bucket and the verify steps."""
     jobs = [runner.dummy(*shape) for shape in runner.shapes()]
-    if runner.num_scheduler_steps > 1:
+    if runner.layout.num_scheduler_steps > 1:
         jobs += [
-            runner.dummy(sb, sb, w, 1, runner.num_scheduler_steps)
-            for sb in runner.seq_buckets
-            for w in runner.width_buckets
+            runner.dummy(sb, sb, w, 1, runner.layout.num_scheduler_steps)
+            for sb in runner.layout.seq_buckets
+            for w in runner.layout.width_buckets
         ]
-    for sb in runner.seq_buckets:
-        batch = runner.dummy(sb, sb, runner.width_buckets[0], 1)
+    for sb in runner.layout.seq_buckets:
+        batch = runner.dummy(sb, sb, runner.layout.width_buckets[0], 1)
         batch.history = runner.inputs.history([], sb)
         jobs.append(batch)
-    k = runner.num_speculative_tokens
+    k = runner.layout.num_speculative_tokens
     for tb, sb, w, q in runner.verify_shapes():
         batch = runner.dummy(tb, sb, w, q)
         batch.spec = verify_arrays(np.zeros((0, k), np.int32), np.zeros(0, np.int32), sb)

@@ -13,6 +13,7 @@ from flax import nnx, traverse_util
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxinfra.config import ModelConfig
+from jaxinfra.models.families import family
 from jaxinfra.models.layers import DecoderLayer, RMSNorm
 from jaxinfra.models.mixed_precision import weight_einsum
 from jaxinfra.models.moe import RouterStats, summarize
@@ -123,7 +124,8 @@ class LlamaModel(nnx.Module):
         self.scan_layers = False
         std, dt = cfg.initializer_range, cfg.dtype
         self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), std, dt)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl, i) for i in range(cfg.num_layers)])
+        block = family(cfg.model_type).block
+        self.layers = nnx.List([block(cfg, rngs, attn_impl, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dt)
         if not cfg.tie_word_embeddings:
             self.lm_head = normal_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std, dt)

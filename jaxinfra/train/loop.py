@@ -127,7 +127,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
         load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract,
         mesh,
         get_rules(cfg.sharding),
-        cfg.train_config(),
+        cfg,
     )
     checkpoints = TrainCheckpointer(out / "checkpoints", cfg.checkpoint)
     start = checkpoints.latest_step() or 0

@@ -43,9 +43,9 @@ class TrainConfig:
     """The sharded step: its optimizer, gradient accumulation, rematerialisation and compute dtype."""
 
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    microbatches: int = 1
-    remat: str = "none"
-    compute_dtype: str = "bfloat16"
+    microbatches: int = 1  # gradient accumulation: the batch in this many pieces
+    remat: str = "none"  # per decoder layer: none | full | save_dots
+    compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
     scan_layers: bool = True  # one lax.scan over the decoder layers: compile time independent of depth
     pipeline_schedule: str = "gpipe"  # on a mesh with pipeline > 1: gpipe | circular
     pipeline_repeats: int = 2  # circular: chunks of layers per stage (microbatches loop this many times)

@@ -1,29 +1,19 @@
-"""Model configuration: one dataclass for the Llama family, read from YAML presets or HF config.json."""
+"""Model configuration: one dataclass for the Llama family, read from YAML presets or HF config.json
+(each model_type's own fields by its registered family, jaxinfra.models.families)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from jaxinfra.yaml_config import load_config
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # the repository's configs/, shipped in the package
 MODEL_PRESETS_DIR = CONFIGS_DIR / "models"
 
-# HF model_type -> (architecture class name written on export).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-# Mixture-of-experts model types -> the dense family whose attention they share.
-MOE_FAMILIES = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -119,10 +109,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(
-                f"ModelConfig.model_type: unsupported {self.model_type!r}; supported: {sorted(ARCHITECTURES)}"
-            )
+        families = FAMILIES
+        if self.model_type not in families:
+            raise ValueError(f"ModelConfig.model_type: unsupported {self.model_type!r}; supported: {sorted(families)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -130,9 +119,11 @@ class ModelConfig:
         self._check_moe()
 
     def _check_moe(self) -> None:
-        if (self.num_experts > 0) != (self.model_type in MOE_FAMILIES):
+        families = FAMILIES
+        if (self.num_experts > 0) != families[self.model_type].moe:
+            moe_types = sorted(t for t, f in families.items() if f.moe)
             raise ValueError(
-                f"ModelConfig.num_experts must be > 0 exactly for the MoE model types {sorted(MOE_FAMILIES)}, "
+                f"ModelConfig.num_experts must be > 0 exactly for the MoE model types {moe_types}, "
                 f"got {self.num_experts} for {self.model_type!r}"
             )
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -157,11 +148,6 @@ class ModelConfig:
             return self.max_position_embeddings
         base = r.original_max_position_embeddings if r.rope_type == "yarn" else self.max_position_embeddings
         return max(int(base * r.factor), self.max_position_embeddings)
-
-    @property
-    def family(self) -> str:
-        """The dense model type whose attention this one uses (itself for dense models)."""
-        return MOE_FAMILIES.get(self.model_type, self.model_type)
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has a mixture of experts (else a dense MLP), as HF decides."""
@@ -231,10 +217,11 @@ class ModelConfig:
                 data = json.load(f)
         config = data
         model_type = config.get("model_type")
-        if model_type not in ARCHITECTURES:
+        families = FAMILIES
+        if model_type not in families:
             raise ValueError(
                 f"config.json: unsupported model_type {model_type!r} "
-                f"(architectures {config.get('architectures')}); supported: {sorted(ARCHITECTURES)}"
+                f"(architectures {config.get('architectures')}); supported: {sorted(families)}"
             )
         if config.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported")
@@ -256,15 +243,9 @@ class ModelConfig:
                 given.setdefault("factor", max_len / given["original_max_position_embeddings"])
             scaling = RopeScaling(rope_type=rope_type, **given)
         attention_bias = bool(config.get("attention_bias", False))
-        sliding_window = config.get("sliding_window")
-        family = MOE_FAMILIES.get(model_type, model_type)
-        if family in ("qwen2", "qwen3"):
-            if config.get("use_sliding_window"):
-                raise ValueError("config.json: use_sliding_window=true (per-layer windows) is not supported")
-            sliding_window = None
         eos = config.get("eos_token_id")
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-        return cls(
+        kwargs: dict[str, Any] = dict(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -278,31 +259,23 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
+            qkv_bias=attention_bias,
             o_bias=attention_bias,
-            qk_norm=family == "qwen3",
-            sliding_window=sliding_window,
+            sliding_window=config.get("sliding_window"),
             initializer_range=config.get("initializer_range", 0.02),
             dtype=dtype if dtype in DTYPES else "float32",
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=() if eos is None else eos,
-            **_moe_from_hf(model_type, config),
         )
+        return cls(**{**kwargs, **families[model_type].config_from_hf(config)})
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json `transformers` needs to rebuild this model."""
         if self.attn_logit_softcap is not None:
             raise ValueError("attn_logit_softcap has no Llama-family HF equivalent; cannot export")
-        if self.family == "qwen2" and (not self.qkv_bias or self.o_bias):
-            raise ValueError(f"{self.model_type} export needs qkv_bias=true and o_bias=false")
-        if self.family != "qwen2" and self.qkv_bias != self.o_bias:
-            raise ValueError(f"{self.model_type} export needs qkv_bias == o_bias (attention_bias)")
-        if self.qk_norm != (self.family == "qwen3"):
-            raise ValueError("qk_norm is exported only as model_type qwen3 / qwen3_moe")
-        if self.sliding_window is not None and self.family != "mistral":
-            raise ValueError("sliding_window is exported only as model_type mistral / mixtral")
+        family = FAMILIES[self.model_type]
         out: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.model_type]],
+            "architectures": [family.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -322,62 +295,32 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
         }
-        if self.family != "qwen2":
-            out["attention_bias"] = self.o_bias
-        if self.family == "mistral":
-            out["sliding_window"] = self.sliding_window
-        return {**out, **self._moe_to_hf()}
-
-    def _moe_to_hf(self) -> dict[str, Any]:
-        """The MoE fields of config.json (Mixtral names its experts' width intermediate_size)."""
-        if self.model_type == "mixtral":
-            if self.shared_expert_intermediate_size or not self.norm_topk_prob or self.decoder_sparse_step != 1:
-                raise ValueError("mixtral export needs no shared expert, norm_topk_prob and every layer sparse")
-            if self.mlp_only_layers:
-                raise ValueError("mixtral export needs mlp_only_layers empty")
-            return {
-                "intermediate_size": self.moe_intermediate_size,
-                "num_local_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-            }
-        if self.model_type not in MOE_FAMILIES:
-            return {}
-        if self.shared_expert_intermediate_size and self.model_type != "qwen2_moe":
-            raise ValueError("a shared expert is exported only as model_type qwen2_moe")
-        out: dict[str, Any] = {
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers),
-        }
-        if self.model_type == "qwen2_moe":
-            out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-        return out
+        return {**out, **family.config_to_hf(self)}
 
 
-def _moe_from_hf(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig's MoE fields from an HF config.json (none for dense model types)."""
-    if model_type == "mixtral":
-        return {
-            "num_experts": config["num_local_experts"],
-            "num_experts_per_tok": config.get("num_experts_per_tok", 2),
-            "norm_topk_prob": True,
-        }
-    if model_type not in MOE_FAMILIES:
-        return {}
-    return {
-        "num_experts": config.get("num_experts") or config["num_local_experts"],  # transformers v5 renames it
-        "num_experts_per_tok": config.get("num_experts_per_tok", 2),
-        "moe_intermediate_size": config["moe_intermediate_size"],
-        "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size", 0)
-        if model_type == "qwen2_moe"
-        else 0,
-        "norm_topk_prob": bool(config.get("norm_topk_prob", model_type == "qwen3_moe")),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
-    }
+class Family(Protocol):
+    """What ModelConfig reads of an HF model_type's family (jaxinfra.models.families.Family, which
+    also holds its tensor names and block class, registers itself here on import)."""
+
+    @property
+    def model_type(self) -> str: ...
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def moe(self) -> bool: ...
+
+    @property
+    def config_from_hf(self) -> Callable[[dict[str, Any]], dict[str, Any]]: ...
+
+    @property
+    def config_to_hf(self) -> Callable[[ModelConfig], dict[str, Any]]: ...
+
+
+# model_type -> its family, filled by jaxinfra.models.families (imported with jaxinfra itself), so
+# that this module imports no model code
+FAMILIES: dict[str, Family] = {}
 
 
 def list_presets() -> list[str]:

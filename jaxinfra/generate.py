@@ -58,7 +58,7 @@ def _step(
 ) -> tuple[jax.Array, list[KVCache]]:
     """Write `ids` into the caches at `positions`, then sample the token after `last_index`."""
     model = nnx.merge(graphdef, state)
-    h, caches = model.hidden_states(ids, positions, ContiguousCacheMetadata(positions), caches)
+    h, caches, _ = model.hidden_states(ids, positions, ContiguousCacheMetadata(positions), caches)
     last = model.logits(h[jnp.arange(ids.shape[0]), last_index])
     return sample_logits(last, key, temperature=temperature, top_k=top_k, top_p=top_p), caches
 

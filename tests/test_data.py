@@ -115,7 +115,7 @@ def test_packing_never_attends_across_documents_and_masks_padding():
     assert (batch["segment_ids"].max(axis=1) >= 2).all() and (batch["segment_ids"] == 0).any()
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
     packed = np.asarray(model(jb["input_ids"], segment_ids=jb["segment_ids"], positions=jb["positions"]))
-    loss_sum, count = lm_loss(model, jb)
+    loss_sum, count, _ = lm_loss(model, jb)
     # every document alone, right-padded into one batch (causal: the padding after it changes nothing)
     docs = [
         (r, np.flatnonzero(batch["segment_ids"][r] == s))

@@ -27,7 +27,7 @@ def _step(model, caches, tokens_per_seq, starts, tables):
     meta = PagedMetadata(
         jnp.asarray(slots, jnp.int32), jnp.asarray(bt), jnp.asarray(cu, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
     )
-    logits, caches = model.forward(jnp.asarray([ids], jnp.int32), jnp.asarray([pos], jnp.int32), meta, caches)
+    logits, caches, _ = model.forward(jnp.asarray([ids], jnp.int32), jnp.asarray([pos], jnp.int32), meta, caches)
     return np.asarray(logits[0]), caches
 
 

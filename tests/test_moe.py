@@ -10,7 +10,7 @@ from flax import nnx
 
 import jaxinfra
 from jaxinfra.config import ModelConfig
-from jaxinfra.models import moe
+from jaxinfra.models import ForwardOptions, moe
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer
 from serve import EngineArgs, LLMEngine, SamplingParams
 from sharding import MeshConfig, get_rules, make_mesh
@@ -91,9 +91,8 @@ def test_router_stats_and_capacity_in_the_forward():
     cfg = ModelConfig.from_preset("tiny-mixtral")
     layer = moe.MoE(cfg, nnx.Rngs(0))
     h = jax.random.normal(jax.random.PRNGKey(1), (2, 16, cfg.hidden_size))
-    with moe.record_router_stats() as stats:
-        dropless = layer(h)
-    (s,) = stats
+    dropless, s = layer(h, ForwardOptions(router_stats=True))
+    assert s is not None
     assert int(s.counts.sum()) == 32 * cfg.num_experts_per_tok
     logits = np.asarray(jnp.einsum("ne,ex->nx", h.reshape(32, -1), layer.router[...]), np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -105,14 +104,12 @@ def test_router_stats_and_capacity_in_the_forward():
     np.testing.assert_allclose(float(s.aux_loss), cfg.num_experts * np.sum(counts / 32 * probs.mean(0)), rtol=1e-5)
     lse = np.log(np.exp(logits).sum(-1))
     np.testing.assert_allclose(float(s.z_loss), np.mean(lse**2), rtol=1e-5)
-    with moe.capacity_factor(0.5):
-        dropped = layer(h)
-    with moe.capacity_factor(100.0):
-        roomy = layer(h)
+    dropped, _ = layer(h, ForwardOptions(capacity_factor=0.5))
+    roomy, _ = layer(h, ForwardOptions(capacity_factor=100.0))
     np.testing.assert_allclose(np.asarray(roomy), np.asarray(dropless), atol=1e-6)
     assert np.abs(np.asarray(dropped) - np.asarray(dropless)).max() > 1e-3
-    with pytest.raises(ValueError, match="capacity_factor"), moe.capacity_factor(0.0):
-        pass
+    with pytest.raises(ValueError, match="capacity_factor"):
+        ForwardOptions(capacity_factor=0.0)
 
 
 def _train_step(scan_layers: bool, remat: str) -> tuple[dict, tuple]:

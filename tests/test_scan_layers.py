@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxinfra
+from jaxinfra.models import ForwardOptions
 from jaxinfra.models.llama import LayerStack, stack_layers, unstack_layers
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer
 from jaxinfra.train.compile_cost import train_step_compile_cost
@@ -20,8 +21,8 @@ def test_scan_matches_the_layer_loop_forward_and_gradients(remat):
     model = jaxinfra.load_model("tiny-qwen2", dtype="float32")  # qkv biases, GQA
 
     def loss(m, scan):
-        m.scan_layers, m.remat = scan, remat
-        return jnp.mean(m(IDS) ** 2)
+        m.scan_layers = scan
+        return jnp.mean(m(IDS, options=ForwardOptions(remat=remat)) ** 2)
 
     (l1, g1), (l2, g2) = (
         nnx.value_and_grad(lambda m: loss(m, False))(model),

@@ -68,7 +68,7 @@ def _reference_drafter(head: EagleHead, length: int):
     @jax.jit
     def drafts(tokens, n):
         target, head = nnx.merge(target_def, target_state), nnx.merge(head_def, head_state)
-        feats, _ = target.hidden_states(tokens[None], pos, DenseMetadata())
+        feats, _, _ = target.hidden_states(tokens[None], pos, DenseMetadata())
         embeds = target.embed_tokens(jnp.roll(tokens, -1)[None])  # position t: x[t+1]
 
         def body(j, carry):

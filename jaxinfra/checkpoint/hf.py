@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
+from jaxinfra.models.families import TensorMap, family
 from jaxinfra.quant.checkpoint import attach as attach_quantized
 from jaxinfra.quant.checkpoint import quantized_tensors
 
@@ -30,44 +30,6 @@ TOKENIZER_FILES = (
 )
 # HF tensors that carry no weights of their own (buffers older exports saved).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorMap:
-    """How one of our parameters is stored in HF: its name and layout.
-
-    kind "same": identical shape; "flat": HF flattens it; "linear": HF's nn.Linear [out, in] where
-    our first `n_in` dims are the input and the rest the output. `per_expert`: our leading axis is
-    the experts, each slice stored as its own tensor (`{expert}` in the name) in that layout.
-    """
-
-    hf_name: str
-    kind: str
-    n_in: int = 1
-    per_expert: bool = False
-
-    def hf_names(self, shape: tuple[int, ...]) -> list[str]:
-        """The HF tensors that hold this parameter (one per expert when `per_expert`)."""
-        return [self.hf_name.format(expert=i) for i in range(shape[0])] if self.per_expert else [self.hf_name]
-
-    def slice_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Our shape of what one HF tensor holds."""
-        return shape[1:] if self.per_expert else shape
-
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.kind == "same":
-            return shape
-        if self.kind == "flat":
-            return (math.prod(shape),)
-        return (math.prod(shape[self.n_in :]), math.prod(shape[: self.n_in]))
-
-    def to_ours(self, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        return w.T.reshape(shape) if self.kind == "linear" else w.reshape(shape)
-
-    def to_hf(self, w: np.ndarray) -> np.ndarray:
-        if self.kind == "linear":
-            return np.ascontiguousarray(w.reshape(math.prod(w.shape[: self.n_in]), -1).T)
-        return w.reshape(self.hf_shape(w.shape))
 
 
 _LAYER_MAP = {
@@ -87,27 +49,6 @@ _LAYER_MAP = {
     ("mlp", "up_proj"): TensorMap("mlp.up_proj.weight", "linear"),
     ("mlp", "down_proj"): TensorMap("mlp.down_proj.weight", "linear"),
 }
-_QWEN_MOE_MAP = {
-    ("mlp", "router"): TensorMap("mlp.gate.weight", "linear"),
-    ("mlp", "expert_gate"): TensorMap("mlp.experts.{expert}.gate_proj.weight", "linear", per_expert=True),
-    ("mlp", "expert_up"): TensorMap("mlp.experts.{expert}.up_proj.weight", "linear", per_expert=True),
-    ("mlp", "expert_down"): TensorMap("mlp.experts.{expert}.down_proj.weight", "linear", per_expert=True),
-    ("mlp", "shared", "gate_proj"): TensorMap("mlp.shared_expert.gate_proj.weight", "linear"),
-    ("mlp", "shared", "up_proj"): TensorMap("mlp.shared_expert.up_proj.weight", "linear"),
-    ("mlp", "shared", "down_proj"): TensorMap("mlp.shared_expert.down_proj.weight", "linear"),
-    ("mlp", "shared_gate"): TensorMap("mlp.shared_expert_gate.weight", "linear"),
-}
-# MoE model type -> its expert block's tensors (Mixtral: block_sparse_moe, w1 = gate, w3 = up, w2 = down).
-_MOE_MAPS: dict[str, dict[tuple[str, ...], TensorMap]] = {
-    "mixtral": {
-        ("mlp", "router"): TensorMap("block_sparse_moe.gate.weight", "linear"),
-        ("mlp", "expert_gate"): TensorMap("block_sparse_moe.experts.{expert}.w1.weight", "linear", per_expert=True),
-        ("mlp", "expert_up"): TensorMap("block_sparse_moe.experts.{expert}.w3.weight", "linear", per_expert=True),
-        ("mlp", "expert_down"): TensorMap("block_sparse_moe.experts.{expert}.w2.weight", "linear", per_expert=True),
-    },
-    "qwen2_moe": _QWEN_MOE_MAP,
-    "qwen3_moe": _QWEN_MOE_MAP,
-}
 _TOP_MAP = {
     ("embed",): TensorMap("model.embed_tokens.weight", "same"),
     ("norm", "scale"): TensorMap("model.norm.weight", "same"),
@@ -119,7 +60,7 @@ def tensor_map(path: tuple, model_type: str = "llama") -> TensorMap:
     """The HF name and layout of the parameter at `path` in our model state."""
     if path[0] == "layers":
         key = tuple(path[2:])
-        m = _MOE_MAPS[model_type][key] if key in _MOE_MAPS.get(model_type, {}) else _LAYER_MAP[key]
+        m = family(model_type).tensors.get(key) or _LAYER_MAP[key]
         return dataclasses.replace(m, hf_name=f"model.layers.{path[1]}.{m.hf_name}")
     return _TOP_MAP[tuple(path)]
 

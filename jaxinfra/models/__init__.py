@@ -1,5 +1,6 @@
 """Model definitions."""
 
 from jaxinfra.models.llama import LlamaModel
+from jaxinfra.models.options import ForwardOptions
 
-__all__ = ["LlamaModel"]
+__all__ = ["ForwardOptions", "LlamaModel"]

@@ -54,7 +54,7 @@ class EagleHead(nnx.Module):
     ) -> tuple[Float[Array, "B T E"], PagedKVCache | None]:
         """Predicted next features at each position (and the head's KV pool, updated, when given)."""
         x = jnp.concatenate([embeds, features.astype(embeds.dtype)], axis=-1) @ self.fc[...].astype(embeds.dtype)
-        x, updated = self.layer(x, positions, metadata, cache)
+        x, updated, _ = self.layer(x, positions, metadata, cache)
         assert updated is None or isinstance(updated, PagedKVCache)
         return self.norm(x), updated
 

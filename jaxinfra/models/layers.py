@@ -3,38 +3,23 @@ and the decoder layer that holds them (its MLP a mixture of experts on MoE layer
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
-from jaxinfra.models.moe import MoE
+from jaxinfra.models.moe import MoE, RouterStats
+from jaxinfra.models.options import ForwardOptions
 from jaxinfra.models.params import normal_param, zeros_param
 from jaxinfra.models.rope import apply_rope, attention_factor, rope_frequencies
 from jaxinfra.models.sharded_attention import cached_attention, dense_attention
 from jaxinfra.quant.qlinear import Weight, linear
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, attend
 from sharding import constrain
-
-_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fused_projections", default=False)
-
-
-@contextlib.contextmanager
-def fused_projections() -> Iterator[None]:
-    """Within: dense Q/K/V and gate/up projections run as one matmul each (weights joined at trace
-    time). For training, where the join is cheap next to the step; decoding would read the weights twice."""
-    token = _FUSED.set(True)
-    try:
-        yield
-    finally:
-        _FUSED.reset(token)
 
 
 class RMSNorm(nnx.Module):
@@ -83,12 +68,11 @@ class Attention(nnx.Module):
     v_proj: Weight
     o_proj: Weight
 
-    def _qkv(self, x: Float[Array, "B T E"]) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Q, K, V projections; fused into one matmul over [E, KV heads, group + 2, D] (Megatron's
-        layout, sharded over KV heads) when fused_projections is on, so tensor parallelism reduces
-        the input gradient once instead of three times."""
+    def _qkv(self, x: Float[Array, "B T E"], fused: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Q, K, V projections; `fused` into one matmul over [E, KV heads, group + 2, D] (Megatron's
+        layout, sharded over KV heads), so tensor parallelism reduces the input gradient once, not three times."""
         wq, wk, wv = self.q_proj, self.k_proj, self.v_proj
-        if not (_FUSED.get() and isinstance(wq, nnx.Param) and isinstance(wk, nnx.Param) and isinstance(wv, nnx.Param)):
+        if not (fused and isinstance(wq, nnx.Param) and isinstance(wk, nnx.Param) and isinstance(wv, nnx.Param)):
             return linear("bte,ehd->bthd", x, wq), linear("bte,ehd->bthd", x, wk), linear("bte,ehd->bthd", x, wv)
         kh, group = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
         q = wq[...].reshape(x.shape[-1], kh, group, -1)
@@ -103,9 +87,10 @@ class Attention(nnx.Module):
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
+        options: ForwardOptions = ForwardOptions(),
     ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
         """Per-head attention output, before the output projection (what o_proj sees)."""
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, options.fused_projections)
         if self.cfg.qkv_bias:
             q, k, v = add_bias(q, self.q_bias[...]), add_bias(k, self.k_bias[...]), add_bias(v, self.v_bias[...])
         if self.cfg.qk_norm:
@@ -119,15 +104,13 @@ class Attention(nnx.Module):
         # axis this is one all-gather of K and one of V per layer (context parallelism)
         k = constrain(k, ("batch", None, "kv_heads", "head_dim"))
         v = constrain(v, ("batch", None, "kv_heads", "head_dim"))
-        options: dict[str, Any] = dict(
-            sliding_window=self.cfg.sliding_window, logit_softcap=self.cfg.attn_logit_softcap
-        )
+        common: dict[str, Any] = dict(sliding_window=self.cfg.sliding_window, logit_softcap=self.cfg.attn_logit_softcap)
         if isinstance(metadata, DenseMetadata) and cache is None:  # whole rows: sharded by the active rules
-            out = dense_attention(q, k, v, metadata.segment_ids, causal=metadata.causal, impl=self.attn_impl, **options)
-            return out, None
+            seg, causal, zigzag = metadata.segment_ids, metadata.causal, options.zigzag
+            return dense_attention(q, k, v, seg, causal=causal, zigzag=zigzag, impl=self.attn_impl, **common), None
         if cache is None:
-            return attend(q, k, v, metadata, cache, impl=self.attn_impl, **options)
-        return cached_attention(q, k, v, metadata, cache, impl=self.attn_impl, **options)
+            return attend(q, k, v, metadata, cache, impl=self.attn_impl, **common)
+        return cached_attention(q, k, v, metadata, cache, impl=self.attn_impl, **common)
 
     def __call__(
         self,
@@ -135,8 +118,9 @@ class Attention(nnx.Module):
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
+        options: ForwardOptions = ForwardOptions(),
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
-        out, cache = self.heads(x, positions, metadata, cache)
+        out, cache = self.heads(x, positions, metadata, cache, options)
         return self.project(out), cache
 
     def project(self, out: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
@@ -158,9 +142,9 @@ class MLP(nnx.Module):
     up_proj: Weight
     down_proj: Weight
 
-    def hidden(self, x: Float[Array, "B T E"]) -> Float[Array, "B T M"]:
-        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul when fused)."""
-        if _FUSED.get() and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
+    def hidden(self, x: Float[Array, "B T E"], fused: bool = False) -> Float[Array, "B T M"]:
+        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul when `fused`)."""
+        if fused and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
             w = jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=1)
             out = weight_einsum("bte,ecm->btcm", x, w, names=("embed", None, "mlp"))
             gate, up = out[:, :, 0], out[:, :, 1]
@@ -168,8 +152,8 @@ class MLP(nnx.Module):
             gate, up = linear("bte,em->btm", x, self.gate_proj), linear("bte,em->btm", x, self.up_proj)
         return constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
 
-    def __call__(self, x: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
-        return linear("btm,me->bte", self.hidden(x), self.down_proj)
+    def __call__(self, x: Float[Array, "B T E"], fused: bool = False) -> Float[Array, "B T E"]:
+        return linear("btm,me->bte", self.hidden(x, fused), self.down_proj)
 
 
 class DecoderLayer(nnx.Module):
@@ -187,11 +171,19 @@ class DecoderLayer(nnx.Module):
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
-    ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
-        h, cache = self.attn(self.input_norm(x), positions, metadata, cache)
+        options: ForwardOptions = ForwardOptions(),
+        valid: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None, RouterStats | None]:
+        """The layer's output, its updated cache, and its router's stats (MoE layers, when
+        options.router_stats; counting the `valid` tokens, all when None)."""
+        h, cache = self.attn(self.input_norm(x), positions, metadata, cache, options)
         x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
-        return constrain(x, ("batch", "length", "embed")), cache
+        stats = None
+        if isinstance(self.mlp, MoE):
+            h, stats = self.mlp(self.post_attn_norm(x), options, valid)
+        else:
+            h = self.mlp(self.post_attn_norm(x), options.fused_projections)
+        return constrain(x + h, ("batch", "length", "embed")), cache, stats
 
 
 def feed_forward(cfg: ModelConfig, rngs: nnx.Rngs, index: int) -> MLP | MoE:

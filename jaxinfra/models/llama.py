@@ -10,12 +10,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxinfra.config import ModelConfig
+from jaxinfra.models.families import family
 from jaxinfra.models.layers import DecoderLayer, RMSNorm
 from jaxinfra.models.mixed_precision import weight_einsum
-from jaxinfra.models.moe import collect, emit
+from jaxinfra.models.moe import RouterStats, summarize
+from jaxinfra.models.options import REMAT_POLICIES, ForwardOptions
 from jaxinfra.models.params import normal_param
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, PagedMetadata
 from sharding import constrain
@@ -103,40 +105,27 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
     return {**params, "layers": {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}}
 
 
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
-}
-
-
-def _layer_call(
-    layer: DecoderLayer,
-    x: jax.Array,
-    positions: jax.Array,
-    metadata: AttentionMetadata,
-    cache: KVCache | PagedKVCache | None,
-) -> tuple[tuple[jax.Array, KVCache | PagedKVCache | None], Any]:
-    """One layer, its MoE router statistics handed out (it may run under remat)."""
-    return collect(lambda: layer(x, positions, metadata, cache))
+def _summary(stats: list[RouterStats | None]) -> RouterStats | None:
+    """The model's RouterStats from its layers' (or scanned stacks') stats; None without any."""
+    return summarize([x for x in stats if x is not None])
 
 
 class LlamaModel(nnx.Module):
     """Decoder-only LM. `model(input_ids)` -> float32 logits; `forward` also threads KV caches.
 
-    `remat` ("none", "full", "save_dots") recomputes each decoder layer in the backward pass.
-    `scan_layers` runs the cache-free forward (training, scoring) as one `lax.scan` over the layers'
-    parameters stacked at trace time: one layer body in the compiled program, whatever the depth.
+    How it runs (fused projections, remat, compute dtype, MoE capacity and statistics, zigzag context
+    parallelism) is the ForwardOptions each call passes. `scan_layers` runs the cache-free forward
+    (training, scoring) as one `lax.scan` over the layers' parameters stacked at trace time: one layer
+    body in the compiled program, whatever the depth.
     Parameters stay one module per layer, so checkpoints and HF import/export do not change."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attn_impl: str | None = None) -> None:
         self.cfg = cfg
-        self.remat = "none"
         self.scan_layers = False
-        self.compute_dtype: str | None = None  # activations' dtype when the weights are kept float32
         std, dt = cfg.initializer_range, cfg.dtype
         self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), std, dt)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, attn_impl, i) for i in range(cfg.num_layers)])
+        block = family(cfg.model_type).block
+        self.layers = nnx.List([block(cfg, rngs, attn_impl, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", dt)
         if not cfg.tie_word_embeddings:
             self.lm_head = normal_param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), std, dt)
@@ -148,31 +137,41 @@ class LlamaModel(nnx.Module):
         metadata: AttentionMetadata,
         caches: list[KVCache] | list[PagedKVCache] | PagedKVCache | None = None,
         layer_stack: LayerStack | None = None,
-    ) -> tuple[Float[Array, "B T E"], list | PagedKVCache | None]:
-        """Final-norm hidden states (before the LM head) and the updated per-layer caches (or the
-        one paged pool of every layer, see run_paged_layers).
-        `layer_stack`: run the layers from these stacked parameters instead of self.layers (scanned)."""
-        x = self.embed_tokens(input_ids)
+        options: ForwardOptions = ForwardOptions(),
+        valid: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T E"], list | PagedKVCache | None, RouterStats | None]:
+        """Final-norm hidden states (before the LM head), the updated per-layer caches (or the one paged
+        pool of every layer, see run_paged_layers), and with options.router_stats the MoE router's
+        statistics over the `valid` tokens (all when None). `layer_stack`: run the layers from these
+        stacked parameters instead of self.layers (scanned)."""
+        x = self.embed_tokens(input_ids, options.compute_dtype)
         if isinstance(caches, PagedKVCache):
             if not isinstance(metadata, PagedMetadata):
                 raise ValueError("a stacked paged KV pool needs PagedMetadata")
-            x, pool = self.run_paged_layers(x, positions, metadata, caches, layer_stack)
-            return self.norm(x), pool
+            x, pool, stats = self.run_paged_layers(x, positions, metadata, caches, layer_stack, options, valid)
+            return self.norm(x), pool, _summary([stats])
         if layer_stack is not None or (self.scan_layers and caches is None):
-            return self.norm(self.run_layers(x, positions, metadata, layer_stack)), None
+            x, stats = self.run_layers(x, positions, metadata, layer_stack, options, valid)
+            return self.norm(x), None, _summary([stats])
         new_caches: list | None = [] if caches is not None else None
-        call = _layer_call if self.remat == "none" else nnx.remat(_layer_call, policy=REMAT_POLICIES[self.remat])
+
+        def call(layer: DecoderLayer, x: jax.Array, metadata: AttentionMetadata, cache: Any, valid: Any) -> Any:
+            return layer(x, positions, metadata, cache, options, valid)
+
+        if options.remat != "none":
+            call = nnx.remat(call, policy=REMAT_POLICIES[options.remat])
+        layer_stats = []
         for i, layer in enumerate(self.layers):
-            (x, cache), stats = call(layer, x, positions, metadata, None if caches is None else caches[i])
-            emit(stats)
+            x, cache, stats = call(layer, x, metadata, None if caches is None else caches[i], valid)
+            layer_stats.append(stats)
             if new_caches is not None:
                 new_caches.append(cache)
-        return self.norm(x), new_caches
+        return self.norm(x), new_caches, _summary(layer_stats)
 
-    def embed_tokens(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T E"]:
+    def embed_tokens(self, input_ids: Int[Array, "B T"], compute_dtype: str | None = None) -> Float[Array, "B T E"]:
         """Embedding rows, cast to `compute_dtype` when the weights are float32 masters."""
         x = jnp.take(self.embed[...], input_ids, axis=0)
-        x = x if self.compute_dtype is None else x.astype(self.compute_dtype)
+        x = x if compute_dtype is None else x.astype(compute_dtype)
         return constrain(x, ("batch", "length", "embed"))
 
     def run_layers(
@@ -181,20 +180,20 @@ class LlamaModel(nnx.Module):
         positions: Int[Array, "B T"],
         metadata: AttentionMetadata,
         stack: LayerStack | None = None,
-    ) -> Float[Array, "B T E"]:
+        options: ForwardOptions = ForwardOptions(),
+        valid: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T E"], RouterStats | None]:
         """The decoder stack as one scan over layer parameters stacked on a leading `layers` axis
-        (`stack`, or this model's layers stacked at trace time)."""
+        (`stack`, or this model's layers stacked at trace time), and its router stats stacked [L, ...]."""
         stack = stack or LayerStack.of(self.layers)
 
-        def body(h: jax.Array, params: dict) -> tuple[jax.Array, Any]:
-            (out, _), stats = collect(lambda: stack.layer(params)(h, positions, metadata, None))
+        def body(h: jax.Array, params: dict) -> tuple[jax.Array, RouterStats | None]:
+            out, _, stats = stack.layer(params)(h, positions, metadata, None, options, valid)
             return out, stats
 
-        if self.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat])
-        x, stats = jax.lax.scan(body, x, stack.params)
-        emit(stats)
-        return x
+        if options.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[options.remat])
+        return jax.lax.scan(body, x, stack.params)
 
     def run_paged_layers(
         self,
@@ -203,31 +202,39 @@ class LlamaModel(nnx.Module):
         metadata: PagedMetadata,
         pool: PagedKVCache,
         stack: LayerStack | None = None,
-    ) -> tuple[Float[Array, "B T E"], PagedKVCache]:
+        options: ForwardOptions = ForwardOptions(),
+        valid: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T E"], PagedKVCache, RouterStats | None]:
         """Serving's decoder stack over one paged pool for all layers ([L, blocks, block size, KV heads,
         D]): each layer reads and writes its own blocks of the pool flattened to [L x blocks, ...].
         With `stack`, one lax.scan (one layer body compiled, whatever the depth); else a loop over
-        self.layers (layers that differ, e.g. partly quantized)."""
+        self.layers (layers that differ, e.g. partly quantized). Also the router stats (see hidden_states)."""
         num_layers, blocks, block_size = pool.k.shape[:3]
         flat = jax.tree.map(lambda a: a.reshape(num_layers * blocks, *a.shape[2:]), pool)
 
-        def run(layer: DecoderLayer, h: jax.Array, i: Any, cache: PagedKVCache) -> tuple[jax.Array, PagedKVCache]:
-            out, new = layer(h, positions, paged_layer_view(metadata, i, blocks, block_size), cache)
+        def run(
+            layer: DecoderLayer, h: jax.Array, i: Any, cache: PagedKVCache
+        ) -> tuple[jax.Array, PagedKVCache, RouterStats | None]:
+            view = paged_layer_view(metadata, i, blocks, block_size)
+            out, new, stats = layer(h, positions, view, cache, options, valid)
             assert isinstance(new, PagedKVCache)
-            return out, new
+            return out, new, stats
 
         if stack is None:
+            layer_stats = []
             for i, layer in enumerate(self.layers):
-                x, flat = run(layer, x, i, flat)
+                x, flat, stats = run(layer, x, i, flat)
+                layer_stats.append(stats)
+            summary = _summary(layer_stats)
         else:
 
-            def body(carry: tuple, xs: tuple) -> tuple[tuple, Any]:
+            def body(carry: tuple, xs: tuple) -> tuple[tuple, RouterStats | None]:
                 (h, cache), (params, i) = carry, xs
-                return collect(lambda: run(stack.layer(params), h, i, cache))
+                out, new, stats = run(stack.layer(params), h, i, cache)
+                return (out, new), stats
 
-            (x, flat), stats = jax.lax.scan(body, (x, flat), (stack.params, jnp.arange(num_layers, dtype=jnp.int32)))
-            emit(stats)
-        return x, jax.tree.map(lambda a: a.reshape(num_layers, blocks, *a.shape[1:]), flat)
+            (x, flat), summary = jax.lax.scan(body, (x, flat), (stack.params, jnp.arange(num_layers, dtype=jnp.int32)))
+        return x, jax.tree.map(lambda a: a.reshape(num_layers, blocks, *a.shape[1:]), flat), summary
 
     def logits(self, h: Float[Array, "... E"]) -> Float[Array, "... V"]:
         """LM head (tied to the embedding when configured), float32 output."""
@@ -245,9 +252,12 @@ class LlamaModel(nnx.Module):
         metadata: AttentionMetadata,
         caches: list[KVCache] | list[PagedKVCache] | PagedKVCache | None = None,
         layer_stack: LayerStack | None = None,
-    ) -> tuple[Float[Array, "B T V"], list | PagedKVCache | None]:
-        h, caches = self.hidden_states(input_ids, positions, metadata, caches, layer_stack)
-        return self.logits(h), caches
+        options: ForwardOptions = ForwardOptions(),
+        valid: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T V"], list | PagedKVCache | None, RouterStats | None]:
+        """`hidden_states` through the LM head: logits, caches and router stats."""
+        h, caches, stats = self.hidden_states(input_ids, positions, metadata, caches, layer_stack, options, valid)
+        return self.logits(h), caches, stats
 
     def __call__(
         self,
@@ -255,12 +265,13 @@ class LlamaModel(nnx.Module):
         segment_ids: Int[Array, "B T"] | None = None,
         positions: Int[Array, "B T"] | None = None,
         layer_stack: LayerStack | None = None,
+        options: ForwardOptions = ForwardOptions(),
     ) -> Float[Array, "B T V"]:
-        """Causal forward over whole rows (optionally packed: segment ids and per-document positions)."""
+        """Causal forward over whole rows (optionally packed: segment ids and per-document positions):
+        logits only (`forward` also returns the router stats)."""
         if positions is None:
             positions = row_positions(input_ids)
-        logits, _ = self.forward(input_ids, positions, DenseMetadata(segment_ids=segment_ids), None, layer_stack)
-        return logits
+        return self.forward(input_ids, positions, DenseMetadata(segment_ids=segment_ids), None, layer_stack, options)[0]
 
     def init_caches(self, batch: int, max_len: int, dtype: str | None = None) -> list[KVCache]:
         """Zeroed contiguous KV caches, one per layer."""

@@ -1,16 +1,12 @@
 """Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a float32 softmax top-k router,
 dropless dispatch (token copies sorted by expert, one grouped matmul per projection over the ragged
 groups), an optional capacity that drops overflow for training, and the router's statistics (load-
-balancing loss, z-loss, tokens per expert) recorded for whoever asks (`record_router_stats`)."""
+balancing loss, z-loss, tokens per expert) returned when ForwardOptions.router_stats asks for them."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +16,10 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.expert_parallel import RouterSums, expert_axes, expert_parallel_moe
+from jaxinfra.models.options import ForwardOptions
 from jaxinfra.models.params import normal_param
 from pallas_kernels.grouped_matmul import grouped_matmul
 from sharding import constrain
-
-_STATS: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_stats", default=None)
-_VALID: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("router_valid", default=None)
-_CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("capacity_factor", default=None)
 
 
 @jax.tree_util.register_dataclass
@@ -37,63 +30,6 @@ class RouterStats:
     aux_loss: jax.Array  # HF load-balancing loss: experts * sum_e (copies_e / tokens) * mean prob_e (k if uniform)
     z_loss: jax.Array  # mean over tokens of logsumexp(router logits)^2
     counts: jax.Array  # [..., num_experts] int32: token copies routed to each expert (before any capacity)
-
-
-@contextlib.contextmanager
-def record_router_stats(valid: Bool[Array, "B T"] | None = None) -> Iterator[list[RouterStats]]:
-    """Within: every MoE layer appends its RouterStats to the yielded list (for training losses and
-    load metrics). Layers run inside a transformation (scan, remat) hand theirs out via `collect`.
-    `valid`: only these tokens of the batch count (serving's padded batches); nested recorders keep it."""
-    stats: list[RouterStats] = []
-    token = _STATS.set(stats)
-    valid_token = _VALID.set(valid) if valid is not None else None
-    try:
-        yield stats
-    finally:
-        _STATS.reset(token)
-        if valid_token is not None:
-            _VALID.reset(valid_token)
-
-
-def expert_counts(fn: Callable[[], Any], valid: Bool[Array, "B T"]) -> tuple[Any, Int[Array, "L X"] | None]:
-    """fn() and the token copies its MoE layers routed to each expert, counting the `valid` tokens
-    only: [MoE layers, experts] int32, None for a dense model. For a serving step to return its load."""
-    with record_router_stats(valid) as stats:
-        out = fn()
-    summary = summarize(stats)
-    return out, None if summary is None else summary.counts
-
-
-@contextlib.contextmanager
-def capacity_factor(factor: float | None) -> Iterator[None]:
-    """Within: each expert takes at most ceil(factor * token copies / num_experts) copies per batch;
-    the rest are dropped (their residual passes through). None: dropless."""
-    if factor is not None and factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0 or None, got {factor}")
-    token = _CAPACITY.set(factor)
-    try:
-        yield
-    finally:
-        _CAPACITY.reset(token)
-
-
-def collect(fn: Callable[[], Any]) -> tuple[Any, RouterStats | None]:
-    """fn() and the RouterStats its MoE layers recorded, summed (None when nothing is recording): for
-    a body traced under scan or remat, whose stats must leave it as outputs. Re-`emit` them outside."""
-    if _STATS.get() is None:
-        return fn(), None
-    with record_router_stats() as stats:
-        out = fn()
-    if not stats:
-        return out, None
-    return out, jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *stats)
-
-
-def emit(stats: RouterStats | None) -> None:
-    """Record stats handed out of a transformation by `collect` (no-op when nothing is recording)."""
-    recorder = _STATS.get()
-    if stats is not None and recorder is not None:
-        recorder.append(stats)
 
 
 def route(
@@ -189,37 +125,49 @@ class MoE(nnx.Module):
         if shared is not None:
             self.shared_gate = normal_param(rngs, (e,), ("embed",), std, dt)
 
-    def __call__(self, h: Float[Array, "B T E"]) -> Float[Array, "B T E"]:
+    def __call__(
+        self,
+        h: Float[Array, "B T E"],
+        options: ForwardOptions = ForwardOptions(),
+        valid: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T E"], RouterStats | None]:
+        """The layer's output and, when options.router_stats, its router's statistics over the `valid`
+        tokens (all when None: serving's padded batches pass theirs)."""
         weights = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
         axes = expert_axes(self.num_experts)
         if axes:  # experts split over devices: tokens travel to them (dropless)
             route_fn = lambda logits: route(logits, self.top_k, self.normalize)
-            valid = _VALID.get()
-            valid = jnp.ones(h.shape[:2], bool) if valid is None else valid.reshape(h.shape[:2])
-            out, sums = expert_parallel_moe(h, valid, self.router[...], weights, route_fn, router_sums, _local, axes)
-            emit(router_stats(sums) if _STATS.get() is not None else None)
+            mask = jnp.ones(h.shape[:2], bool) if valid is None else valid.reshape(h.shape[:2])
+            out, sums = expert_parallel_moe(h, mask, self.router[...], weights, route_fn, router_sums, _local, axes)
+            stats = router_stats(sums) if options.router_stats else None
         else:
-            out = self._routed(h, weights)
+            out, stats = self._routed(h, weights, options, valid)
         if self.shared is not None:
             gate = jax.nn.sigmoid(jnp.einsum("bte,e->bt", h, self.shared_gate[...].astype(h.dtype)))
-            out = out + gate[..., None] * self.shared(h)
-        return constrain(out, ("batch", "length", "embed"))
+            out = out + gate[..., None] * self.shared(h, options.fused_projections)
+        return constrain(out, ("batch", "length", "embed")), stats
 
-    def _routed(self, h: Float[Array, "B T E"], weights: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        """The top-k experts' weighted outputs, every expert on this device."""
+    def _routed(
+        self,
+        h: Float[Array, "B T E"],
+        weights: tuple[jax.Array, jax.Array, jax.Array],
+        options: ForwardOptions,
+        valid: Bool[Array, "B T"] | None,
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """The top-k experts' weighted outputs, every expert on this device, and the router's stats."""
         b, t, e = h.shape
         x = h.reshape(b * t, e)
         logits = jnp.einsum("ne,ex->nx", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         gates, experts, probs = route(logits, self.top_k, self.normalize)
-        capacity = expert_capacity(b * t, self.top_k, self.num_experts, _CAPACITY.get())
+        capacity = expert_capacity(b * t, self.top_k, self.num_experts, options.capacity_factor)
         d = dispatch(experts, self.num_experts, capacity)
-        if _STATS.get() is not None:
-            valid = _VALID.get()
-            emit(router_stats(router_sums(logits, probs, experts, None if valid is None else valid.reshape(-1))))
+        stats = None
+        if options.router_stats:
+            stats = router_stats(router_sums(logits, probs, experts, None if valid is None else valid.reshape(-1)))
         y = experts_ffn(jnp.take(x, d.order // self.top_k, axis=0), d.group_sizes, *weights)
         w = gates.reshape(-1) if d.kept is None else jnp.where(d.kept, gates.reshape(-1), 0.0)
         copies = jnp.take(y, _inverse(d.order), axis=0).astype(jnp.float32) * w[:, None]
-        return jnp.sum(copies.reshape(b * t, self.top_k, e), axis=1).astype(h.dtype).reshape(b, t, e)
+        return jnp.sum(copies.reshape(b * t, self.top_k, e), axis=1).astype(h.dtype).reshape(b, t, e), stats
 
 
 def _inverse(order: jax.Array) -> jax.Array:
@@ -235,7 +183,7 @@ def _local(rows: jax.Array, ids: jax.Array, weights: tuple[jax.Array, jax.Array,
 
 
 def summarize(stats: list[RouterStats]) -> RouterStats | None:
-    """Recorded stats (per layer, or layers stacked by a scan) -> one RouterStats over the model:
+    """Layers' stats (per layer, or layers stacked by a scan) -> one RouterStats over the model:
     aux and z losses averaged over MoE layers, counts [moe layers, experts]; None without MoE layers."""
     if not stats:
         return None

@@ -5,15 +5,12 @@ device under shard_map.
 Whole rows (training, scoring), with the flash kernel: batch over the data axes, heads over the
 tensor axis, and with the sequence split over the context axis, each device's queries against the
 whole (all-gathered) sequence of keys at their own positions (the kernel's query offset, so tiles
-past the diagonal are skipped). Under `zigzag_tokens` the rows arrive reordered so that device i of
+past the diagonal are skipped). With `zigzag` the rows arrive reordered so that device i of
 C holds chunks i and 2C - 1 - i of 2C (`zigzag_order`): every device then has the same causal work.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -32,18 +29,6 @@ from pallas_kernels import (
 )
 from sharding import per_device, sharded_axes
 
-_ZIGZAG: contextvars.ContextVar[bool] = contextvars.ContextVar("zigzag_tokens", default=False)
-
-
-@contextlib.contextmanager
-def zigzag_tokens() -> Iterator[None]:
-    """Within: rows split over the context axis are in `zigzag_order` (the caller reordered them)."""
-    token = _ZIGZAG.set(True)
-    try:
-        yield
-    finally:
-        _ZIGZAG.reset(token)
-
 
 def zigzag_order(length: int, parts: int) -> np.ndarray:
     """Token order for `parts` devices: the sequence in 2 x parts chunks, device i (positions
@@ -61,11 +46,13 @@ def dense_attention(
     segment_ids: Int[Array, "B T"] | None,
     *,
     causal: bool,
+    zigzag: bool,
     sliding_window: int | None,
     logit_softcap: float | None,
     impl: str | None,
 ) -> Float[Array, "B T H D"]:
-    """Causal (or full) self-attention of a row's queries to its keys, packed segments kept apart."""
+    """Causal (or full) self-attention of a row's queries to its keys, packed segments kept apart;
+    `zigzag`: rows split over the context axis are in `zigzag_order` (the caller reordered them)."""
     impl = impl or default_impl()
     common: dict[str, Any] = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     if impl != "pallas":
@@ -86,7 +73,7 @@ def dense_attention(
         if not (causal and context_axes):
             return flash(q, k, v, q_seg, kv_seg)
         i = jax.lax.axis_index(context_axes)
-        if not _ZIGZAG.get():
+        if not zigzag:
             return flash(q, k, v, q_seg, kv_seg, q_offset=i * chunk)
         back = np.argsort(zigzag_order(total, total // chunk))  # gathered keys -> sequence order
         k, v, kv_seg = (x[:, back] for x in (k, v, kv_seg))

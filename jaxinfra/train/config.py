@@ -13,14 +13,15 @@ import yaml
 from jaxinfra.checkpoint.manager import CheckpointConfig
 from jaxinfra.data import DataConfig
 from jaxinfra.lora import LoraConfig
-from jaxinfra.train.optimizer import OptimConfig
 from jaxinfra.train.step import TrainConfig
 from jaxinfra.yaml_config import build_dataclass, load_mapping
 from sharding import PRESETS, MeshConfig
 
 
-@dataclasses.dataclass
-class RunConfig:
+@dataclasses.dataclass(frozen=True)
+class RunConfig(TrainConfig):
+    """A training run: the sharded step's TrainConfig fields, plus the model, data, mesh and logging."""
+
     model: str = "tiny-llama"  # preset name, model YAML file, or HF directory (continue from its weights)
     tokenizer: str | None = None  # directory with tokenizer.json; default: the model's
     out_dir: str = "runs/default"  # checkpoints/, metrics.jsonl, tb/, loss.png, hf/
@@ -30,17 +31,6 @@ class RunConfig:
     sharding: str = "fsdp"  # preset of logical-axis rules (sharding/rules.py)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    microbatches: int = 1  # gradient accumulation: the batch in this many pieces
-    remat: str = "none"  # per decoder layer: none | full | save_dots
-    scan_layers: bool = True  # the decoder layers as one lax.scan (compile time independent of depth)
-    pipeline_schedule: str = "gpipe"  # with mesh.pipeline > 1: gpipe | circular (microbatches = pipeline's)
-    pipeline_repeats: int = 2  # circular: chunks of layers per stage
-    compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
-    grad_reduce_dtype: str = "float32"  # float32 | compute: dtype weight gradients are summed across devices in
-    router_aux_loss_coef: float = 0.01  # MoE models: load-balancing loss weight
-    router_z_loss_coef: float = 0.001  # MoE models: router z-loss weight
-    capacity_factor: float | None = None  # MoE models: per-expert capacity (drops overflow); null: dropless
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     eval_every: int = 100
     eval_batches: int = 8  # global batches of the held-out split per evaluation
@@ -58,7 +48,7 @@ class RunConfig:
     lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
-        self.train_config()  # checks remat, microbatches and compute_dtype
+        super().__post_init__()  # checks remat, microbatches, compute_dtype, ...
         for name in ("profile_steps", "profile_start"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
@@ -67,22 +57,6 @@ class RunConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.sharding not in PRESETS:
             raise ValueError(f"sharding must be one of {sorted(PRESETS)}, got {self.sharding!r}")
-
-    def train_config(self) -> TrainConfig:
-        """What the sharded step takes."""
-        return TrainConfig(
-            self.optim,
-            self.microbatches,
-            self.remat,
-            self.compute_dtype,
-            self.scan_layers,
-            self.pipeline_schedule,
-            self.pipeline_repeats,
-            self.grad_reduce_dtype,
-            self.router_aux_loss_coef,
-            self.router_z_loss_coef,
-            self.capacity_factor,
-        )
 
 
 def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -94,7 +68,7 @@ def build_run_config(data: dict[str, Any]) -> RunConfig:
     """A RunConfig from a nested dict; optim.total_steps defaults to steps."""
     cfg = build_dataclass(RunConfig, data)
     if "total_steps" not in (data.get("optim") or {}):
-        cfg.optim = dataclasses.replace(cfg.optim, total_steps=cfg.steps)
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, total_steps=cfg.steps))
     return cfg
 
 

@@ -36,7 +36,7 @@ FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's regression and classification
 def eagle_losses(head: EagleHead, target: LlamaModel, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Summed feature loss, token loss and top-1 agreements over the batch's counted positions, and their count."""
     ids, positions, segments = batch["input_ids"], batch["positions"], batch.get("segment_ids")
-    feats, _ = target.hidden_states(ids, positions, DenseMetadata(segment_ids=segments))
+    feats, _, _ = target.hidden_states(ids, positions, DenseMetadata(segment_ids=segments))
     feats = jax.lax.stop_gradient(feats)
     head_segments = None if segments is None else segments[:, :-1]
     out, _ = head(target.embed_tokens(ids[:, 1:]), feats[:, :-1], positions[:, :-1], DenseMetadata(head_segments))

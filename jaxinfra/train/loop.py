@@ -137,7 +137,7 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     model = load_model(cfg.model, attn_impl=cfg.attn_impl) if pretrained else abstract
     if cfg.lora is not None:
         add_lora(model, cfg.lora, nnx.Rngs(cfg.seed))
-    trainer = Trainer(model, mesh, get_rules(cfg.sharding), cfg.train_config())
+    trainer = Trainer(model, mesh, get_rules(cfg.sharding), cfg)
     checkpoints = TrainCheckpointer(out / "checkpoints", cfg.checkpoint)
     start = checkpoints.latest_step() or 0
     if start:

@@ -21,6 +21,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from jaxinfra.models.llama import LayerStack, LlamaModel, row_positions
+from jaxinfra.models.options import ForwardOptions
 from pallas_kernels import DenseMetadata
 from sharding import constrain, sharded_axes
 
@@ -87,6 +88,7 @@ def pipeline_layers(
     positions: Int[Array, "M b T"],
     segment_ids: Int[Array, "M b T"] | None,
     schedule: PipelineSchedule,
+    options: ForwardOptions,
 ) -> Float[Array, "M b T E"]:
     """The decoder layers on M microbatches through the pipeline; returns their last hidden states."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
@@ -96,7 +98,7 @@ def pipeline_layers(
 
     def run_stage(params: Any, h: jax.Array, pos: jax.Array, seg: jax.Array | None) -> jax.Array:
         chunk = LayerStack(stack.graphdef, stack.template, params)
-        return model.run_layers(h, pos, DenseMetadata(segment_ids=seg), chunk)
+        return model.run_layers(h, pos, DenseMetadata(segment_ids=seg), chunk, options)[0]
 
     stage_fn = jax.vmap(run_stage, spmd_axis_name=spmd_axis)
     pick_chunk = jax.vmap(lambda w, r: w[r], spmd_axis_name=spmd_axis)
@@ -135,7 +137,11 @@ def split_microbatches(x: jax.Array, micro: int) -> jax.Array:
 
 
 def pipeline_lm_loss(
-    model: LlamaModel, batch: dict[str, jax.Array], stack: LayerStack, schedule: PipelineSchedule
+    model: LlamaModel,
+    batch: dict[str, jax.Array],
+    stack: LayerStack,
+    schedule: PipelineSchedule,
+    options: ForwardOptions,
 ) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy and target count of the batch run through the pipeline."""
     ids = batch["input_ids"]
@@ -144,7 +150,7 @@ def pipeline_lm_loss(
         positions = row_positions(ids)
     segment_ids = batch.get("segment_ids")
     m = schedule.microbatches
-    x = split_microbatches(model.embed_tokens(ids), m)
+    x = split_microbatches(model.embed_tokens(ids, options.compute_dtype), m)
     h = pipeline_layers(
         model,
         stack,
@@ -152,6 +158,7 @@ def pipeline_lm_loss(
         split_microbatches(positions, m),
         None if segment_ids is None else split_microbatches(segment_ids, m),
         schedule,
+        options,
     )
     logits = model.logits(model.norm(h))
     targets = split_microbatches(batch["targets"], m)

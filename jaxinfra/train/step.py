@@ -7,7 +7,6 @@ model is rebuilt inside the step from the graph definition, so the same Flax mod
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -21,20 +20,13 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfra.lora.adapter import LoraParam, join_params, lora_dropout, split_params
-from jaxinfra.models import LlamaModel, moe
-from jaxinfra.models.layers import fused_projections
-from jaxinfra.models.llama import (
-    REMAT_POLICIES,
-    LayerStack,
-    merge_params,
-    row_positions,
-    stack_layers,
-    unstack_layers,
-)
-from jaxinfra.models.sharded_attention import zigzag_order, zigzag_tokens
+from jaxinfra.models import ForwardOptions, LlamaModel, moe
+from jaxinfra.models.llama import LayerStack, merge_params, row_positions, stack_layers, unstack_layers
+from jaxinfra.models.options import REMAT_POLICIES
+from jaxinfra.models.sharded_attention import zigzag_order
 from jaxinfra.train.optimizer import OptimConfig, make_optimizer
 from jaxinfra.train.pipeline import SCHEDULES, PipelineSchedule, pipeline_lm_loss, split_microbatches
-from pallas_kernels import default_impl
+from pallas_kernels import DenseMetadata, default_impl
 from sharding import ShardingRules, dim_shards, logical_rules, named_sharding
 from sharding.logical import Rules
 
@@ -46,9 +38,9 @@ class TrainConfig:
     """The sharded step: its optimizer, gradient accumulation, rematerialisation and compute dtype."""
 
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    microbatches: int = 1
-    remat: str = "none"
-    compute_dtype: str = "bfloat16"
+    microbatches: int = 1  # gradient accumulation: the batch in this many pieces
+    remat: str = "none"  # per decoder layer: none | full | save_dots
+    compute_dtype: str = "bfloat16"  # matmuls and activations; master weights stay float32
     scan_layers: bool = True  # one lax.scan over the decoder layers: compile time independent of depth
     pipeline_schedule: str = "gpipe"  # on a mesh with pipeline > 1: gpipe | circular
     pipeline_repeats: int = 2  # circular: chunks of layers per stage (microbatches loop this many times)
@@ -150,18 +142,22 @@ class ModelDef:
 
 
 def lm_loss(
-    model: LlamaModel, batch: dict[str, jax.Array], layer_stack: LayerStack | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross-entropy over unmasked targets, and the number of those targets."""
-    logits = model(
-        batch["input_ids"],
-        segment_ids=batch.get("segment_ids"),
-        positions=batch.get("positions"),
-        layer_stack=layer_stack,
+    model: LlamaModel,
+    batch: dict[str, jax.Array],
+    layer_stack: LayerStack | None = None,
+    options: ForwardOptions = ForwardOptions(),
+) -> tuple[jax.Array, jax.Array, moe.RouterStats | None]:
+    """Summed next-token cross-entropy over unmasked targets, the number of those targets, and the
+    router's statistics (MoE models, when options.router_stats)."""
+    ids = batch["input_ids"]
+    positions = batch.get("positions")
+    metadata = DenseMetadata(segment_ids=batch.get("segment_ids"))
+    logits, _, stats = model.forward(
+        ids, row_positions(ids) if positions is None else positions, metadata, None, layer_stack, options
     )
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
+    return jnp.sum(ce * mask), jnp.sum(mask), stats
 
 
 class Trainer:
@@ -241,10 +237,8 @@ class Trainer:
     def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The summed objective (cross-entropy, plus the router losses of MoE models scaled by the
         target count) and its parts: count, ce (summed), and for MoE the router's statistics."""
-        with moe.record_router_stats() as recorded, moe.capacity_factor(self.cfg.capacity_factor):
-            ce, count = self._ce(params, batch)
+        ce, count, router = self._ce(params, batch)
         parts = {"count": count, "ce": ce}
-        router = moe.summarize(recorded)
         if router is None:
             return ce, parts
         penalty = self.cfg.router_aux_loss_coef * router.aux_loss + self.cfg.router_z_loss_coef * router.z_loss
@@ -253,25 +247,29 @@ class Trainer:
         )
         return ce + count * penalty, parts
 
-    def _ce(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def _ce(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, moe.RouterStats | None]:
         compute = jnp.dtype(self.cfg.compute_dtype)
         masters = self.cfg.grad_reduce_dtype == "float32" and compute != jnp.float32
         if not masters:
             params = jax.tree.map(lambda p: p.astype(compute), params)
         model = self.model_def.build(params)  # its per-layer slices go unused (dead code) when scanned
-        model.remat = self.cfg.remat  # per decoder layer
-        model.compute_dtype = self.cfg.compute_dtype if masters else None
         stack = self.model_def.layer_stack(params)
         zigzag = self.zigzag_parts > 1
         if zigzag:
             batch = _reorder_tokens(batch, zigzag_order(batch["input_ids"].shape[1], self.zigzag_parts))
-        # one input-gradient reduction for Q/K/V and one for gate/up under TP
-        with fused_projections(), zigzag_tokens() if zigzag else contextlib.nullcontext():
-            if self.pipeline is not None and stack is not None:
-                if model.cfg.num_experts:
-                    raise ValueError("pipeline parallelism does not run mixture-of-experts models")
-                return pipeline_lm_loss(model, batch, stack, self.pipeline)
-            return lm_loss(model, batch, stack)
+        options = ForwardOptions(
+            fused_projections=True,  # one input-gradient reduction for Q/K/V and one for gate/up under TP
+            capacity_factor=self.cfg.capacity_factor,
+            router_stats=True,
+            zigzag=zigzag,
+            remat=self.cfg.remat,  # per decoder layer
+            compute_dtype=self.cfg.compute_dtype if masters else None,
+        )
+        if self.pipeline is not None and stack is not None:
+            if model.cfg.num_experts:
+                raise ValueError("pipeline parallelism does not run mixture-of-experts models")
+            return *pipeline_lm_loss(model, batch, stack, self.pipeline, options), None
+        return lm_loss(model, batch, stack, options)
 
     def loss_and_grads(
         self, params: Params, batch: dict[str, jax.Array]

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.llama import LayerStack, merge_params, unstack_layers
-from jaxinfra.models.moe import expert_counts
+from jaxinfra.models.options import ForwardOptions
 from pallas_kernels import PagedMetadata
 from serve.core.host_transfer import unpack
 from serve.core.runner.inputs import StepInputs
@@ -33,6 +33,7 @@ PROMPT_LOGPROB_CHUNK = 128  # prompt tokens whose full-vocabulary logprobs are c
 # called in each decode loop iteration with [step id, iteration, S tokens (-1: none), S stop codes];
 # returns a receipt the loop carries to its outputs
 LoopTap = Callable[[jax.Array], jax.Array]
+COUNTED = ForwardOptions(router_stats=True)  # MoE models: the step also returns its expert load
 
 
 @dataclasses.dataclass(eq=False)  # hashable by identity: its bound methods are jitted
@@ -120,21 +121,21 @@ class DeviceStep:
         inputs, sampling = unpack(buffers, layout)
         return self._sharded(self._forward_and_sample, state, caches, inputs, sampling, prev_tokens, max_q_len)
 
-    def _hidden(self, state, caches, inputs, prev_tokens, max_q_len):
-        """The model and the flat batch's last hidden states [T, D] (the KV pools updated)."""
+    def _hidden(self, state, caches, inputs, prev_tokens, max_q_len, options=ForwardOptions()):
+        """The model, the flat batch's last hidden states [T, D], the KV pools updated, and the router
+        stats `options` ask for (the batch's padding not counted)."""
         model, stack = self._model(state)
         meta = self._meta(inputs, inputs.kv_lens, inputs.slot_mapping, max_q_len)
         ids = self._input_ids(inputs, prev_tokens)
-        h, caches = model.hidden_states(ids[None], inputs.positions[None], meta, caches, stack)
-        return model, h[0], caches
+        valid = inputs.slot_mapping[None] >= 0
+        h, caches, stats = model.hidden_states(ids[None], inputs.positions[None], meta, caches, stack, options, valid)
+        return model, h[0], caches, stats
 
     def _hidden_counted(self, state, caches, inputs, prev_tokens, max_q_len):
-        """`_hidden` and, for an MoE model, the token copies each expert took [MoE layers, experts]
-        (the batch's padding not counted; None for a dense model)."""
-        (model, h, caches), load = expert_counts(
-            lambda: self._hidden(state, caches, inputs, prev_tokens, max_q_len), inputs.slot_mapping[None] >= 0
-        )
-        return model, h, caches, load
+        """`_hidden` with, for an MoE model, the token copies each expert took [MoE layers, experts]
+        in place of the stats (None for a dense model)."""
+        model, h, caches, stats = self._hidden(state, caches, inputs, prev_tokens, max_q_len, COUNTED)
+        return model, h, caches, None if stats is None else stats.counts
 
     def verify(self, state, caches, buffers, prev_tokens, device_drafts, *, layout, max_q_len):
         """A speculative verify step (drafts and their logit indices packed after the inputs; the draft
@@ -221,9 +222,7 @@ class DeviceStep:
             block = tables[rows, jnp.minimum(pos // self.block_size, tables.shape[1] - 1)]
             slots = jnp.where(active, block * self.block_size + pos % self.block_size, -1)
             meta = self._meta(inputs, jnp.where(active, kv0 + i, 0), slots, 1, jnp.where(active, pos, -1))
-            (h, caches), step_load = expert_counts(
-                lambda: model.hidden_states(ids[None], pos[None], meta, caches, stack), active[None]
-            )
+            h, caches, stats = model.hidden_states(ids[None], pos[None], meta, caches, stack, COUNTED, active[None])
             t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
             out = sample(model.logits(h[0]), t, eos_ids=self.layout.eos_token_ids)
             is_eos = jnp.any(out.tokens[:, None] == eos[None, :], axis=1)
@@ -237,7 +236,7 @@ class DeviceStep:
                 acc,
                 (jnp.where(active, out.tokens, -1), out.logprob, out.top_ids, out.top_logprobs),
             )
-            load = None if load is None else load + step_load
+            load = None if load is None or stats is None else load + stats.counts
             return i + 1, out.tokens, jnp.where(active, out.tokens, last), active & ~stopped, caches, acc, load, receipt
 
         acc = (

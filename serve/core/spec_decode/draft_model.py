@@ -51,7 +51,7 @@ class DraftStep:
         """A plain step: the draft's KV written for the step's flat batch, as the target's is."""
         self.device._traced()
         inputs = self._own_tiles(unpack(buffers, layout)[0], max_q_len)
-        _, _, caches = self.device._hidden(weights, caches, inputs, prev_tokens, max_q_len)
+        _, _, caches, _ = self.device._hidden(weights, caches, inputs, prev_tokens, max_q_len)
         return caches
 
     def propose(self, weights, caches, buffers, prev_tokens, *, layout, max_q_len):
@@ -66,7 +66,7 @@ class DraftStep:
 
     def _propose(self, weights, caches, inputs, planned, indices, prev_tokens, max_q_len):
         d = self.device
-        model, h, caches = d._hidden(weights, caches, inputs, prev_tokens, max_q_len)
+        model, h, caches, _ = d._hidden(weights, caches, inputs, prev_tokens, max_q_len)
         _, stack = d._model(weights)
         s, k = planned.shape
         num_drafts = (planned >= 0).sum(axis=1)
@@ -83,7 +83,7 @@ class DraftStep:
             pos = pos0 + j
             slots = row_slots(inputs.block_tables, pos, active, d.block_size)
             meta = d._meta(decode_inputs, jnp.where(active, kv0 + j, 0), slots, 1, jnp.where(active, pos, -1))
-            hj, caches = model.hidden_states(token[None], pos[None], meta, caches, stack)
+            hj, caches, _ = model.hidden_states(token[None], pos[None], meta, caches, stack)
             nxt = argmax(model.logits(hj[0]))
             return nxt, drafts, caches
 

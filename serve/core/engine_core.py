@@ -16,9 +16,8 @@ from typing import Any
 import jax
 
 from jaxinfra.config import ModelConfig
-from jaxinfra.loading import load_model, load_tokenizer, model_dir
+from jaxinfra.loading import load_model, load_tokenizer
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.eagle import EagleHead, load_eagle_head
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core.device_memory import memory_breakdown
@@ -36,7 +35,7 @@ from serve.core.request_state import CoreRequest
 from serve.core.runner import InFlight, ModelRunner
 from serve.core.scheduler import Scheduler
 from serve.core.sequence import Sequence
-from serve.core.spec_decode import DraftSlots, EagleDrafts, NgramProposer, SpeculativeConfig
+from serve.core.spec_decode.proposer import PROPOSERS
 from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, Matcher
 from serve.kv_transfer.worker import KVTransferWorker
@@ -75,9 +74,8 @@ class EngineCore:
             )
         budget = step_token_budget(args, self.max_model_len)
         spec = args.speculative()
-        draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
-        eagle = self._eagle_head(spec, args, cfg) if spec is not None and spec.method == "eagle" else None
-        draft_cfg = draft.cfg if draft is not None else eagle.cfg if eagle is not None else None
+        proposer = PROPOSERS[spec.method](spec, cfg, args) if spec is not None else None
+        draft_cfg = proposer.draft_cfg if proposer is not None else None
         num_blocks = args.num_gpu_blocks_override or self._blocks_from_memory(model, args, budget, draft_cfg)
         if num_blocks * args.block_size < self.max_model_len:
             raise ValueError(
@@ -87,7 +85,6 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids)))
         self.eos_set = frozenset(self.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        proposer = self._proposer(spec)
         kv_transfer = args.kv_transfer()
         connector = kv_transfer.connector(args.block_size) if kv_transfer is not None else None
         self.scheduler = Scheduler(
@@ -100,7 +97,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             num_scheduler_steps=args.num_scheduler_steps,
             prefill_tokens_per_decode=args.prefill_tokens_per_decode,
-            proposer=proposer,
+            proposer=proposer.host if proposer is not None else None,
             disable_spec_above=spec.disable_by_batch_size if spec is not None else None,
             connector=connector,
         )
@@ -119,8 +116,7 @@ class EngineCore:
             scan_layers=args.scan_layers,
             num_scheduler_steps=args.num_scheduler_steps,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            draft_model=draft,
-            eagle_head=eagle,
+            proposer=proposer.device if proposer is not None else None,
         )
         self.scheduler.prefill.token_buckets = self.runner.token_buckets  # a capped prefill fills the step's bucket
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
@@ -140,38 +136,6 @@ class EngineCore:
         self.loop_stream = stream
         self.scheduler.stream_loops = True
         self.runner.device.loop_tap = stream.device_tap(self.runner.device.mesh)
-
-    @staticmethod
-    def _proposer(spec: SpeculativeConfig | None) -> NgramProposer | DraftSlots | EagleDrafts | None:
-        """The scheduler's side of the configured proposer."""
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec)
-        return (DraftSlots if spec.method == "draft_model" else EagleDrafts)(spec.num_speculative_tokens)
-
-    @staticmethod
-    def _device_proposer_args(spec: SpeculativeConfig, args: EngineArgs) -> None:
-        """What a device proposer (draft model, EAGLE head) cannot serve with yet is refused here."""
-        for name in ("tensor_parallel_size", "num_scheduler_steps"):
-            if (value := getattr(args, name)) != 1:
-                method = spec.method
-                raise ValueError(f"EngineArgs.{name} must be 1 with speculative_config.method {method}, got {value}")
-
-    @classmethod
-    def _draft_model(cls, spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:
-        """The draft_model proposer's model (its vocabulary was checked against the target's) in the
-        target's dtype."""
-        cls._device_proposer_args(spec, args)
-        assert spec.model is not None
-        return load_model(spec.model, dtype, attn_impl=args.attn_impl)
-
-    @classmethod
-    def _eagle_head(cls, spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig) -> EagleHead:
-        """The EAGLE proposer's head (checked against the target's shape) in the target's dtype."""
-        cls._device_proposer_args(spec, args)
-        assert spec.model is not None
-        return load_eagle_head(model_dir(spec.model), target, attn_impl=args.attn_impl)
 
     @staticmethod
     def _blocks_from_memory(

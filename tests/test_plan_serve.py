@@ -190,8 +190,8 @@ def test_a_draft_models_pool_shares_the_kv_budget_in_engine_and_plan() -> None:
     args = dataclasses.replace(args, speculative_config=spec)
     core = EngineCore(load_model(DEFAULT_MODEL), args)
     planned = plan("default", cfg, args, Device("cpu", None), WORKLOAD)
-    assert core.runner.draft is not None
-    pools = [core.runner.kv_cache, core.runner.draft.kv_cache]
+    assert core.runner.proposer is not None
+    pools = [core.runner.kv_cache, core.runner.proposer.kv_cache]
     allocated = sum(leaf.nbytes for pool in pools for leaf in jax.tree.leaves(pool))
     assert planned.num_blocks == core.block_manager.num_blocks < alone.num_blocks
     assert planned.kv_pool_bytes_per_device == allocated <= 5_000_000

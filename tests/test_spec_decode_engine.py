@@ -58,8 +58,8 @@ def test_greedy_with_a_draft_model_is_token_identical(plain, scan_layers):
     spec = {"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 3}
     eng = engine(**SMALL, speculative_config=spec, scan_layers=scan_layers)
     runner = eng.core.runner
-    assert runner.draft is not None
-    assert (runner.layer_graph is not None) == (runner.draft.device.layer_graph is not None) == scan_layers
+    assert runner.proposer is not None
+    assert (runner.layer_graph is not None) == (runner.proposer.device.layer_graph is not None) == scan_layers
     got = _tokens(run(eng, _workload()))
     assert got == plain
     stats = eng.stats()
@@ -89,7 +89,7 @@ def test_auto_off_skips_the_draft_model_and_gapped_sequences_draft_no_more():
     eng = engine(**SMALL, speculative_config=spec)
     eng.core.runner.warmup()
     compiled = eng.core.runner.num_compilations
-    draft = eng.core.runner.draft
+    draft = eng.core.runner.proposer
     mirrored, mirror = [], draft.mirror
     draft.mirror = lambda *args: (mirrored.append(len(eng.core.scheduler.running)), mirror(*args))[1]
     got = _tokens(run(eng, arrivals))

@@ -13,10 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jaxinfra.config import ModelConfig
-from jaxinfra.loading import load_model, load_tokenizer, model_dir
+from jaxinfra.loading import load_tokenizer
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.eagle import EagleHead, load_eagle_head
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
 from serve.core.device_memory import memory_breakdown
@@ -29,7 +27,7 @@ from serve.core.request_state import CoreRequest
 from serve.core.runner import InFlight, ModelRunner
 from serve.core.scheduler import Scheduler
 from serve.core.sequence import Sequence
-from serve.core.spec_decode import DraftSlots, EagleDrafts, NgramProposer, SpeculativeConfig
+from serve.core.spec_decode.proposer import PROPOSERS
 from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, Matcher
 from serve.kv_transfer.worker import KVTransferWorker
@@ -56,9 +54,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size
         spec = args.speculative()
-        draft = self._draft_model(spec, args, cfg.dtype) if spec is not None and spec.method == "draft_model" else None
-        eagle = self._eagle_head(spec, args, cfg) if spec is not None and spec.method == "eagle" else None
-        draft_cfg = draft.cfg if draft is not None else eagle.cfg if eagle is not None else None
+        proposer = PROPOSERS[spec.method](spec, cfg, args) if spec is not None else None
+        draft_cfg = proposer.draft_cfg if proposer is not None else None
         self.layout = layout = resolve(args, cfg, eos_token_ids, draft_cfg)
         self.max_model_len = layout.max_model_len
         self.eos_token_ids = layout.eos_token_ids
@@ -68,7 +65,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.block_manager,
             layout,
-            proposer=self._proposer(spec),
+            proposer=proposer.host if proposer is not None else None,
             connector=connector,
             stream_loops=stream is not None,
         )
@@ -76,8 +73,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model,
             layout,
-            draft_model=draft,
-            eagle_head=eagle,
+            proposer=proposer,
             loop_tap=stream.device_tap if stream is not None else None,
             grammar=self.grammar,
         )
@@ -89,38 +85,6 @@ class EngineCore:
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
         self.applied_step = -1  # the last step id whose results were applied
         self.loop_stream = stream
-
-    @staticmethod
-    def _proposer(spec: SpeculativeConfig | None) -> NgramProposer | DraftSlots | EagleDrafts | None:
-        """The scheduler's side of the configured proposer."""
-        if spec is None:
-            return None
-        if spec.method == "ngram":
-            return NgramProposer(spec)
-        return (DraftSlots if spec.method == "draft_model" else EagleDrafts)(spec.num_speculative_tokens)
-
-    @staticmethod
-    def _device_proposer_args(spec: SpeculativeConfig, args: EngineArgs) -> None:
-        """What a device proposer (draft model, EAGLE head) cannot serve with yet is refused here."""
-        for name in ("tensor_parallel_size", "num_scheduler_steps"):
-            if (value := getattr(args, name)) != 1:
-                method = spec.method
-                raise ValueError(f"EngineArgs.{name} must be 1 with speculative_config.method {method}, got {value}")
-
-    @classmethod
-    def _draft_model(cls, spec: SpeculativeConfig, args: EngineArgs, dtype: str) -> LlamaModel:
-        """The draft_model proposer's model (its vocabulary was checked against the target's) in the
-        target's dtype."""
-        cls._device_proposer_args(spec, args)
-        assert spec.model is not None
-        return load_model(spec.model, dtype, attn_impl=args.attn_impl)
-
-    @classmethod
-    def _eagle_head(cls, spec: SpeculativeConfig, args: EngineArgs, target: ModelConfig) -> EagleHead:
-        """The EAGLE proposer's head (checked against the target's shape) in the target's dtype."""
-        cls._device_proposer_args(spec, args)
-        assert spec.model is not None
-        return load_eagle_head(model_dir(spec.model), target, attn_impl=args.attn_impl)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:

@@ -8,7 +8,7 @@ change that state (tokens appended, stop rules, counters, prefix-cache keys, fin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,12 +19,14 @@ from serve.core.prefill_budget import PrefillBudget
 from serve.core.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
 from serve.core.scheduling_policy import POLICIES
 from serve.core.sequence import Sequence, Status
-from serve.core.spec_decode import DraftSlots, EagleDrafts, NgramProposer
 from serve.core.spec_decode.scheduling import SpecScheduling
 from serve.core.step_data import SchedulerOutput, StepResult
 from serve.kv_transfer.base import KVConnectorBase
 from serve.kv_transfer.remote_loads import RemoteLoads
 from serve.types import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from serve.core.spec_decode.proposer import HostProposer
 
 
 class Scheduler:
@@ -47,7 +49,7 @@ class Scheduler:
         block_manager: BlockManager,
         layout: CoreLayout,
         *,
-        proposer: NgramProposer | DraftSlots | EagleDrafts | None = None,
+        proposer: HostProposer | None = None,
         connector: KVConnectorBase | None = None,
         stream_loops: bool = False,
     ) -> None:
@@ -249,7 +251,7 @@ class Scheduler:
             may_draft=self.spec is not None and self.spec.may_draft(len(self.running)),
         )
         if self.spec is not None:
-            self.spec.note(sched)
+            self.spec.before_step(sched)
         self.num_steps_made += n > 0  # empty outputs are not dispatched: the numbers stay contiguous
         self.finished_ids = []
         made = sched.samples.astype(np.int32)
@@ -294,8 +296,8 @@ class Scheduler:
         if res.num_emitted is not None and self.spec is not None:  # rejected drafts' KV is rolled back
             emitted = self.spec.settle(sched, res.num_emitted, made)
         multi = loop or res.num_emitted is not None
-        if res.drafts is not None:  # EAGLE: what each row's next step verifies
-            SpecScheduling.keep_drafts(sched, res.drafts)
+        if self.spec is not None:  # EAGLE keeps what each row's next step verifies
+            self.spec.after_step(sched, res)
         bs = self.bm.block_size
         plain = res.logprobs is None
         eos, max_len, finished = self.eos_set, self.max_model_len, Status.FINISHED

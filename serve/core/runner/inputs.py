@@ -24,10 +24,6 @@ from serve.core.step_data import SchedulerOutput
 if TYPE_CHECKING:  # serve.core.layout imports this package (its sizing)
     from serve.core.layout import CoreLayout
 
-# Rows of a verify step with a draft model padded to at least this: its proposal loop over a single row
-# hits an XLA CPU slow path (measured 50 ms against 1.1 ms for two rows, default-draft, k = 3).
-DRAFT_VERIFY_MIN_ROWS = 2
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

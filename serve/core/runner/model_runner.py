@@ -20,7 +20,6 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from jaxinfra.models import LlamaModel
-from jaxinfra.models.eagle import EagleHead
 from jaxinfra.models.llama import layer_graph, stack_layers, unstack_layers
 from pallas_kernels import PagedKVCache, paged_head_dim
 from pallas_kernels.kv_quant import is_quantized_kv
@@ -30,19 +29,18 @@ from serve.core.runner.batch import SlotTable
 from serve.core.runner.compile_pool import CompilePool
 from serve.core.runner.device_step import DeviceStep, LoopTap
 from serve.core.runner.inflight import InFlight
-from serve.core.runner.inputs import DRAFT_VERIFY_MIN_ROWS, InputBuilder, StepBatch
+from serve.core.runner.inputs import InputBuilder, StepBatch
 from serve.core.runner.ready_shapes import ReadyShapes
 from serve.core.runner.sizing import fit
 from serve.core.runner.warmup import warm_up
 from serve.core.runner.weight_sync import engine_layout, place_like
-from serve.core.spec_decode.draft_model import DraftModelRunner
-from serve.core.spec_decode.eagle import EagleRunner
 from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, bitmask_words
 from sharding import get_rules, named_sharding, shard_state, tensor_parallel_mesh
 
 if TYPE_CHECKING:  # serve.core.layout imports this package (its sizing)
     from serve.core.layout import CoreLayout
+    from serve.core.spec_decode.proposer import DeviceProposer, Proposer
 
 
 def device_step(
@@ -85,16 +83,15 @@ class ModelRunner:
         model: LlamaModel,
         layout: CoreLayout,
         *,
-        draft_model: LlamaModel | None = None,
-        eagle_head: EagleHead | None = None,
+        proposer: Proposer | None = None,
         loop_tap: Callable[[Mesh | None], LoopTap] | None = None,
         grammar: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         """`layout.num_speculative_tokens` (k > 0): verify steps, k drafts a row, are compiled at warm-up;
-        `draft_model`: the draft_model proposer's, run on its own KV pool before each step;
-        `eagle_head`: the EAGLE proposer's, run on its own KV pool after each single step; `loop_tap`:
-        makes decode loops' tap for the mesh (serve.core.loop_stream); `grammar`: the structured-output
-        compiler that fills token masks (built with the first request that needs one)."""
+        `proposer`: speculative decoding's (spec_decode.proposer); one that drafts on device is placed
+        here, on its own KV pool;
+        `loop_tap`: makes decode loops' tap for the mesh (serve.core.loop_stream); `grammar`: the
+        structured-output compiler that fills token masks (built with the first request that needs one)."""
         cfg = model.cfg
         self.cfg = cfg
         self.layout = layout
@@ -123,30 +120,18 @@ class ModelRunner:
                 self.kv_cache,
             )
         tap = loop_tap(mesh) if loop_tap is not None else None
+        hidden = proposer is not None and proposer.target_hidden
         self.device, self.weights = device_step(
-            model, graphdef, state, layout, mesh, rules.activations, tap, return_hidden=eagle_head is not None
+            model, graphdef, state, layout, mesh, rules.activations, tap, return_hidden=hidden
         )
         self.layer_graph = self.device.layer_graph
         self._template = abstract(nnx.to_flat_state(state))
-        self.draft = None
-        if draft_model is not None:  # no eos: the draft proposes greedily, the target's sampler stops
-            draft_graphdef, draft_state = nnx.split(draft_model)
-            self.draft = DraftModelRunner(
-                *device_step(draft_model, draft_graphdef, draft_state, dataclasses.replace(layout, eos_token_ids=())),
-                num_blocks=layout.num_blocks,
-                block_size=layout.block_size,
-                kv_cache_dtype=layout.kv_cache_dtype,
-                attn_impl=self.attn_impl,
-            )
-        self.eagle = None
-        if eagle_head is not None:
-            self.eagle = EagleRunner(
-                self.device,
-                eagle_head,
-                layout.num_speculative_tokens,
-                num_blocks=layout.num_blocks,
-                kv_cache_dtype=layout.kv_cache_dtype,
-                attn_impl=self.attn_impl,
+        # a proposer model's step closure: no eos (it drafts greedily, the target's sampler stops)
+        step_of = lambda m: device_step(m, *nnx.split(m), dataclasses.replace(layout, eos_token_ids=()))
+        self.proposer: DeviceProposer | None = None
+        if proposer is not None and proposer.device is not None:
+            self.proposer = proposer.device(
+                self.device, step_of, layout.num_blocks, layout.kv_cache_dtype, self.attn_impl, layout.max_model_len
             )
         self.slots = SlotTable(2 * layout.max_num_seqs, layout.max_blocks, cfg.vocab_size)
         self.ready = ReadyShapes()  # the compiled shapes batches pad to while warm-up runs
@@ -156,7 +141,7 @@ class ModelRunner:
             self.slots,
             layout,
             (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
-            DRAFT_VERIFY_MIN_ROWS if self.draft is not None else 1,
+            self.proposer.verify_min_rows if self.proposer is not None else 1,
             self.ready,
         )
         self._no_prev = jnp.zeros((layout.max_num_seqs,), jnp.int32)
@@ -169,15 +154,11 @@ class ModelRunner:
         self._multi = jax.jit(d.multi, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
         self._resample = jax.jit(d.resample, static_argnames=("layout",))
         self._verify = jax.jit(d.verify, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
-        # with a draft model, it proposes and the target verifies in one call (one dispatch a step)
-        self._draft_verify = jax.jit(
-            self._draft_then_verify, donate_argnums=(1, 3), static_argnames=("layout", "max_q_len")
-        )
 
     @property
     def num_compilations(self) -> int:
         """Step shapes compiled so far (warm-up's, and any after it: there should be none)."""
-        return self.device.num_compilations + (self.draft.device.num_compilations if self.draft is not None else 0)
+        return self.device.num_compilations + (self.proposer.num_compilations if self.proposer is not None else 0)
 
     # --- host side --------------------------------------------------------------------------------
     def free_rows(self, sched: SchedulerOutput) -> None:
@@ -200,36 +181,42 @@ class ModelRunner:
         return pack((batch.inputs, batch.sampling, batch.budgets, np.array([batch.sched.step_id], np.int32)))
 
     def dispatch(self, batch: StepBatch) -> InFlight:
-        """Start the step on the device; returns at once (JAX dispatches asynchronously)."""
+        """Start the step on the device; returns at once (JAX dispatches asynchronously): a decode loop,
+        or its packed inputs, the proposer's work before, the step or verify step, and its work after."""
         if batch.budgets is not None:
-            buffers, layout = self._loop_buffers(batch)
-            out, self.prev_tokens, self.kv_cache, load, _ = self._multi(  # _: the loop tap's receipt
-                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
-            )
-            self.inputs.dispatched(batch)
-            return InFlight(batch, out, (), expert_counts=load)
-        if batch.spec is not None:
-            buffers, layout = pack((batch.inputs, batch.sampling, *batch.spec))
-            if self.eagle is not None:
-                buffers = jax.device_put(buffers)  # sent once, read by both models
-            prev, static = self.prev_tokens, dict(layout=layout, max_q_len=batch.max_q_len)
-            if self.draft is not None:
-                verified, self.draft.kv_cache = self._draft_verify(
-                    self.weights, self.kv_cache, self.draft.weights, self.draft.kv_cache, buffers, prev, **static
-                )
-            else:
-                verified = self._verify(self.weights, self.kv_cache, buffers, prev, None, **static)
-            out, num_emitted, self.prev_tokens, self.kv_cache, load, *h = verified
-            self.inputs.dispatched(batch)
-            flight = InFlight(batch, out, (), num_emitted, load)
-            return self._eagle_drafts(flight, h, buffers, layout, prev, self.prev_tokens)
-        buffers, layout = pack((batch.inputs, batch.sampling))
-        proposer = batch.sched.may_draft and (self.draft is not None or self.eagle is not None)
-        if proposer:  # auto-off (may_draft false) skips the proposer: the scheduler stops drafting for these rows
-            buffers = jax.device_put(buffers)
-        if proposer and self.draft is not None:  # the draft's pool mirrors the target's
-            self.draft.mirror(buffers, layout, self.prev_tokens, batch.max_q_len)
-        prev = self.prev_tokens
+            return self._loop(batch)
+        buffers, layout = pack((batch.inputs, batch.sampling, *(batch.spec or ())))
+        prev, proposer = self.prev_tokens, self.proposer
+        if proposer is not None:
+            buffers = proposer.before_step(batch, buffers, layout, prev)
+        step = self._single if batch.spec is None else self._verify_step
+        flight, hidden = step(batch, buffers, layout)
+        self.inputs.dispatched(batch)
+        if proposer is not None:
+            proposer.after_step(flight, self.weights, hidden, buffers, layout, prev, self.prev_tokens)
+        return flight
+
+    def _loop(self, batch: StepBatch) -> InFlight:
+        """A decode loop of num_steps steps in one call."""
+        buffers, layout = self._loop_buffers(batch)
+        out, self.prev_tokens, self.kv_cache, load, _ = self._multi(  # _: the loop tap's receipt
+            self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
+        )
+        self.inputs.dispatched(batch)
+        return InFlight(batch, out, (), expert_counts=load)
+
+    def _verify_step(self, batch: StepBatch, buffers: Any, layout: Layout) -> tuple[InFlight, list]:
+        """A speculative verify step (the proposer's, when it drafts on device) and its hidden states."""
+        args, q = (self.weights, self.kv_cache, buffers, self.prev_tokens), batch.max_q_len
+        if self.proposer is None:
+            verified = self._verify(*args, None, layout=layout, max_q_len=q)
+        else:
+            verified = self.proposer.verify(self._verify, *args, layout=layout, max_q_len=q)
+        out, num_emitted, self.prev_tokens, self.kv_cache, load, *h = verified
+        return InFlight(batch, out, (), num_emitted, load), h
+
+    def _single(self, batch: StepBatch, buffers: Any, layout: Layout) -> tuple[InFlight, list]:
+        """One step, its logits resampled for penalties, logit_bias or grammars; and its hidden states."""
         out, padded, logits, prompt, self.kv_cache, load, *h = self._step(
             self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )
@@ -243,43 +230,7 @@ class ModelRunner:
             extra, extra_layout = pack((batch.sampling, *batch.history, bitmask, *bias))
             out, padded = self._resample(logits, extra, layout=extra_layout)
         self.prev_tokens = padded
-        self.inputs.dispatched(batch)
-        return self._eagle_drafts(InFlight(batch, out, prompt, expert_counts=load), h, buffers, layout, prev, padded)
-
-    def _draft_then_verify(
-        self, weights, kv_cache, draft_weights, draft_kv, buffers, prev_tokens, *, layout, max_q_len
-    ):
-        """A verify step with a draft model: its drafts (serve.core.spec_decode.draft_model), then the
-        target's verify step over them; returns the verify step's outputs and the draft's pool."""
-        assert self.draft is not None
-        drafts, draft_kv = self.draft.step.propose(
-            draft_weights, draft_kv, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
-        )
-        verified = self.device.verify(
-            weights, kv_cache, buffers, prev_tokens, drafts, layout=layout, max_q_len=max_q_len
-        )
-        return verified, draft_kv
-
-    def _eagle_drafts(
-        self, flight: InFlight, h: list, buffers: Any, layout: Layout, prev: jax.Array, last: jax.Array
-    ) -> InFlight:
-        """With an EAGLE head: its drafts for the next step, made from this step's hidden states."""
-        if self.eagle is None or not flight.batch.sched.may_draft:
-            return flight
-        batch = flight.batch
-        rows = self.eagle.row_columns(batch.sched, batch.inputs.kv_lens.shape[0], self.layout.max_model_len)
-        flight.drafts = self.eagle.propose(
-            self.weights,
-            h[0],
-            buffers,
-            layout,
-            batch.max_q_len,
-            prev,
-            last,
-            flight.num_emitted,
-            rows,
-        )
-        return flight
+        return InFlight(batch, out, prompt, expert_counts=load), h
 
     def compiled_text(self, batch: StepBatch) -> str:
         """The optimised HLO a batch of this shape runs (for checks such as "no KV pool is copied")."""

@@ -7,7 +7,7 @@ compiles). The largest shape of each kind comes first (every batch fits one of t
 background mode the runner serves from then on while the others compile on the pool's threads, and
 each batch pads to the smallest compiled shape that holds it (serve.core.runner.ready_shapes).
 
-A runner with a device proposer (a draft model or an EAGLE head) runs each shape once instead, as
+A runner with a device proposer (serve.core.spec_decode.proposer) runs each shape once instead, as
 warm-up always did: its proposer's jitted calls are made inside the step's dispatch.
 """
 
@@ -52,10 +52,7 @@ class Runner(Protocol):
     _verify: Any
 
     @property
-    def draft(self) -> object | None: ...
-
-    @property
-    def eagle(self) -> object | None: ...
+    def proposer(self) -> object | None: ...
 
     def shapes(self) -> list[tuple[int, int, int, int]]: ...
 
@@ -152,7 +149,7 @@ def warm_up(runner: Runner, background: bool = False, threads: int = 0) -> Compi
     """Compile every step shape on `threads` threads (0: one per core, up to 8); with `background`,
     return once the largest of each group is compiled and leave the others to the pool, whose
     `wait()` finishes them. Returns the pool (None with a device proposer: all compiled by then)."""
-    if runner.draft is not None or runner.eagle is not None:
+    if runner.proposer is not None:
         warm_up_by_dispatch(runner)
         return None
     first, rest = ordered(shape_groups(runner))

@@ -1,5 +1,7 @@
 """Speculative decoding: a config, proposers (n-gram on the host; the draft model's slots and the EAGLE
-head's drafts, their device sides in draft_model and eagle), the rejection sampler and counters."""
+head's drafts, their device sides in draft_model and eagle) behind the interface and registry of
+`proposer` (imported from there, not here: its device sides import the runner), the rejection
+sampler and counters."""
 
 from serve.core.spec_decode.config import SPEC_METHODS, SpeculativeConfig
 from serve.core.spec_decode.draft_slots import DraftSlots

@@ -27,7 +27,7 @@ from pallas_kernels.ragged_paged_attention import kernel_tile_tokens
 from serve.config import kv_storage_dtype
 from serve.core.host_transfer import unpack
 from serve.core.runner.device_step import DeviceStep
-from serve.core.runner.inputs import StepInputs
+from serve.core.runner.inputs import StepBatch, StepInputs
 from serve.core.spec_decode.draft_rows import one_token_rows, row_slots
 
 
@@ -94,26 +94,30 @@ class DraftStep:
 
 class DraftModelRunner:
     """The draft model placed beside the target: its weights, its KV pool (the target's block count
-    and block size, its own layers and heads) and its two jitted steps, which the target's runner
-    dispatches before each of its own steps with the same packed inputs."""
+    and block size, its own layers and heads) and its jitted steps, dispatched before each of the
+    target's with the same packed inputs (a DeviceProposer)."""
+
+    # a verify step's rows are padded to at least this: the proposal loop over a single row hits an XLA
+    # CPU slow path (measured 50 ms against 1.1 ms for two rows, default-draft, k = 3)
+    verify_min_rows = 2
 
     def __init__(
         self,
+        target: DeviceStep,
         device: DeviceStep,
         weights: list,
         *,
         num_blocks: int,
-        block_size: int,
         kv_cache_dtype: str,
         attn_impl: str,
     ) -> None:
         """`device`, `weights`: the draft model's step closure and flat weights, as the target's runner
         makes its own."""
-        self.device, self.weights = device, weights
+        self.target, self.device, self.weights = target, device, weights
         cfg = device.cfg
         self.kv_cache = PagedKVCache.zeros(
             num_blocks,
-            block_size,
+            target.block_size,
             cfg.num_kv_heads,
             paged_head_dim(cfg.head_dim, attn_impl),
             kv_storage_dtype(kv_cache_dtype, cfg.dtype),
@@ -121,11 +125,54 @@ class DraftModelRunner:
         )
         pool = self.kv_cache.k
         kernel_shape = (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype))
-        self.step = DraftStep(self.device, kernel_shape)  # its `propose` runs inside the target's verify call
+        self.step = DraftStep(self.device, kernel_shape)
         self._mirror = jax.jit(self.step.mirror, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+        # it proposes and the target verifies in one call (one dispatch a step)
+        self._verify = jax.jit(
+            self._propose_then_verify, donate_argnums=(1, 3), static_argnames=("layout", "max_q_len")
+        )
+
+    @property
+    def num_compilations(self) -> int:
+        """The draft's step shapes compiled so far."""
+        return self.device.num_compilations
 
     def mirror(self, buffers: Any, layout: Any, prev_tokens: jax.Array, max_q_len: int) -> None:
         """A plain step's KV (packed inputs and sampling, as the target's step gets them)."""
         self.kv_cache = self._mirror(
             self.weights, self.kv_cache, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
         )
+
+    def before_step(self, batch: StepBatch, buffers: Any, layout: Any, prev_tokens: jax.Array) -> Any:
+        """A plain step while speculation is on: the draft's pool mirrors the target's (a verify step's
+        drafts are made inside its call)."""
+        if batch.spec is not None or not batch.sched.may_draft:
+            return buffers
+        buffers = jax.device_put(buffers)  # sent once, read by both models
+        self.mirror(buffers, layout, prev_tokens, batch.max_q_len)
+        return buffers
+
+    def verify(
+        self, verify: Any, weights: list, kv_cache: Any, buffers: Any, prev_tokens: jax.Array, **static: Any
+    ) -> tuple:
+        """The draft's drafts and the target's verify step over them, in one call (`verify` unused)."""
+        verified, self.kv_cache = self._verify(
+            weights, kv_cache, self.weights, self.kv_cache, buffers, prev_tokens, **static
+        )
+        return verified
+
+    def after_step(self, *_: Any) -> None:
+        """Nothing: the draft has run before the target."""
+
+    def _propose_then_verify(
+        self, weights, kv_cache, draft_weights, draft_kv, buffers, prev_tokens, *, layout, max_q_len
+    ):
+        """The draft's drafts (DraftStep.propose), then the target's verify step over them; returns
+        the verify step's outputs and the draft's pool."""
+        drafts, draft_kv = self.step.propose(
+            draft_weights, draft_kv, buffers, prev_tokens, layout=layout, max_q_len=max_q_len
+        )
+        verified = self.target.verify(
+            weights, kv_cache, buffers, prev_tokens, drafts, layout=layout, max_q_len=max_q_len
+        )
+        return verified, draft_kv

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from serve.core.sequence import Sequence
+from serve.core.step_data import SchedulerOutput, StepResult
+
+
+def note_gaps(sched: SchedulerOutput) -> None:
+    """A device proposer's KV pool must hold every position to draft well. With auto-off it skips the
+    step (no draft KV written): the sequences in it draft no more until a preemption recomputes them."""
+    for seq in sched.seqs:
+        if seq.num_computed_tokens == seq.num_cached_tokens:  # admitted: its KV is computed afresh
+            seq.proposer_cache_whole = True
+        if not sched.may_draft:
+            seq.proposer_cache_whole = False
 
 
 class DraftSlots:
@@ -14,8 +25,14 @@ class DraftSlots:
         self.k = k
 
     lookahead = 0  # KV slots a step needs past its own tokens
-    has_cache = True  # the draft's KV pool must hold every position to draft well
 
     def propose_seqs(self, seqs: list[Sequence], max_new: list[int]) -> list[list[int]]:
         """Stand-in drafts, as NgramProposer.propose_seqs: min(k, room) per row."""
         return [[0] * min(self.k, room) for room in max_new]
+
+    def before_step(self, sched: SchedulerOutput) -> None:
+        """The draft's cache gaps (note_gaps)."""
+        note_gaps(sched)
+
+    def after_step(self, sched: SchedulerOutput, res: StepResult) -> None:
+        """Nothing: the drafts were made and verified in the step."""

@@ -10,7 +10,7 @@ allocates `lookahead` = k slots past each step for them); the next step's flat p
 with the target's features. The drafts come back with the step's results and the scheduler hands
 them to the next step as n-gram drafts are (greedy: a one-hot proposal, so outputs keep the target's
 distribution). With speculation auto-off (too many running) the head is skipped, and the sequences of
-such steps draft no more (SpecScheduling.note): their head caches have a gap.
+such steps draft no more (draft_slots.note_gaps): their head caches have a gap.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from pallas_kernels import PagedKVCache, paged_head_dim
 from serve.config import kv_storage_dtype
 from serve.core.host_transfer import unpack
 from serve.core.runner.device_step import DeviceStep
+from serve.core.runner.inflight import InFlight
+from serve.core.runner.inputs import StepBatch
 from serve.core.spec_decode.draft_rows import one_token_rows, row_slots
 from serve.core.step_data import SchedulerOutput
 
@@ -97,14 +99,26 @@ class EagleStep:
 
 class EagleRunner:
     """The head placed beside the target: its weights, its one-layer KV pool (the target's block count
-    and block size) and its jitted step, which the target's runner calls after each single step."""
+    and block size) and its jitted step, called after each of the target's steps (a DeviceProposer)."""
+
+    verify_min_rows = 1  # a verify step's rows: no padding beyond the target's
+    num_compilations = 0  # its traces count as the target's (EagleStep.propose)
 
     def __init__(
-        self, target: DeviceStep, head: EagleHead, k: int, *, num_blocks: int, kv_cache_dtype: str, attn_impl: str
+        self,
+        target: DeviceStep,
+        head: EagleHead,
+        k: int,
+        *,
+        num_blocks: int,
+        kv_cache_dtype: str,
+        attn_impl: str,
+        max_len: int,
     ) -> None:
+        """`max_len`: the engine's max_model_len (no KV slot past it)."""
         cfg = head.cfg
         self.head_def, self.params = nnx.split(head)
-        self.k = k
+        self.k, self.max_len = k, max_len
         self.kv_cache = PagedKVCache.zeros(
             num_blocks,
             target.block_size,
@@ -115,42 +129,53 @@ class EagleRunner:
         self.step = EagleStep(target, self.head_def, k)
         self._propose = jax.jit(self.step.propose, donate_argnums=(2,), static_argnames=("layout", "max_q_len"))
 
-    def row_columns(self, sched: SchedulerOutput, sb: int, max_model_len: int) -> np.ndarray:
+    def row_columns(self, sched: SchedulerOutput, sb: int) -> np.ndarray:
         """[2, sb]: each row's next prompt token where its prompt goes on (-1 where it samples) and how
         many of its positions have KV slots (the step's tokens and the scheduler's lookahead)."""
         n = len(sched.seqs)
         columns = np.zeros((2, sb), np.int32)
         columns[0] = -1
         end = sched.num_computed + sched.num_new
-        columns[1, :n] = np.minimum(end + self.k, max_model_len)
+        columns[1, :n] = np.minimum(end + self.k, self.max_len)
         for i in np.flatnonzero(~sched.samples).tolist():
             columns[0, i] = sched.seqs[i].tokens[end[i]]
         return columns
 
-    def propose(
+    def before_step(self, batch: StepBatch, buffers: Any, layout: Any, prev_tokens: jax.Array) -> Any:
+        """The step's packed inputs sent once, read by both the target and the head."""
+        return jax.device_put(buffers) if batch.spec is not None or batch.sched.may_draft else buffers
+
+    def verify(
+        self, verify: Any, weights: list, kv_cache: Any, buffers: Any, prev_tokens: jax.Array, **static: Any
+    ) -> tuple:
+        """The target's verify step over the drafts the head made after the last step."""
+        return verify(weights, kv_cache, buffers, prev_tokens, None, **static)
+
+    def after_step(
         self,
-        target_weights: list,
-        h: jax.Array,
+        flight: InFlight,
+        weights: list,
+        hidden: list,
         buffers: Any,
         layout: Any,
-        max_q_len: int,
         prev_tokens: jax.Array,
         last: jax.Array,
-        num_emitted: jax.Array | None,
-        rows: np.ndarray,
-    ) -> jax.Array:
-        """The next step's drafts [S, k] on device (see EagleStep.propose)."""
-        drafts, self.kv_cache = self._propose(
-            target_weights,
+    ) -> None:
+        """While speculation is on, the next step's drafts [S, k] on device from this step's hidden
+        states (see EagleStep.propose), into `flight.drafts`."""
+        batch = flight.batch
+        if not batch.sched.may_draft:
+            return
+        flight.drafts, self.kv_cache = self._propose(
+            weights,
             self.params,
             self.kv_cache,
-            h,
+            hidden[0],
             buffers,
             prev_tokens,
             last,
-            num_emitted,
-            rows,
+            flight.num_emitted,
+            self.row_columns(batch.sched, batch.inputs.kv_lens.shape[0]),
             layout=layout,
-            max_q_len=max_q_len,
+            max_q_len=batch.max_q_len,
         )
-        return drafts

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from serve.core.sequence import Sequence
+from serve.core.spec_decode.draft_slots import note_gaps
+from serve.core.step_data import SchedulerOutput, StepResult
 
 
 class EagleDrafts:
@@ -12,8 +14,18 @@ class EagleDrafts:
     def __init__(self, k: int) -> None:
         self.k = k
         self.lookahead = k  # KV slots past a step's tokens: the head writes its drafts' there
-        self.has_cache = True  # the head's KV pool must hold every position to draft well
 
     def propose_seqs(self, seqs: list[Sequence], max_new: list[int]) -> list[list[int]]:
         """Each row's device-made drafts, at most max_new[b] (as NgramProposer.propose_seqs)."""
         return [s.next_drafts[:room] for s, room in zip(seqs, max_new)]
+
+    def before_step(self, sched: SchedulerOutput) -> None:
+        """The head's cache gaps (note_gaps)."""
+        note_gaps(sched)
+
+    def after_step(self, sched: SchedulerOutput, res: StepResult) -> None:
+        """The drafts the step made on device, kept on each row's sequence for its next step."""
+        if res.drafts is None:
+            return
+        for seq, row in zip(sched.seqs, res.drafts.tolist()):
+            seq.next_drafts = [t for t in row if t >= 0]

@@ -12,6 +12,7 @@ from jaxtyping import Int
 
 from serve.core.sequence import Sequence
 from serve.core.spec_decode.config import SpeculativeConfig
+from serve.core.step_data import SchedulerOutput, StepResult
 
 
 class NgramProposer:
@@ -24,7 +25,6 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.k = config.num_speculative_tokens
         self.lookahead = 0  # KV slots a step needs past its own tokens
-        self.has_cache = False  # drafts come from the token history alone
 
     def propose(
         self,
@@ -63,3 +63,9 @@ class NgramProposer:
             tokens[row, : len(history)] = history
         drafts = self.propose(tokens, lengths, np.asarray(max_new))
         return [row[row >= 0].tolist() for row in drafts]
+
+    def before_step(self, sched: SchedulerOutput) -> None:
+        """Nothing: drafts come from the token history alone."""
+
+    def after_step(self, sched: SchedulerOutput, res: StepResult) -> None:
+        """Nothing: the next drafts are made from the tokens the step appends."""

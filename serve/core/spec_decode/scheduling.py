@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from serve.core.sequence import Sequence
-from serve.core.spec_decode.draft_slots import DraftSlots
-from serve.core.spec_decode.eagle_drafts import EagleDrafts
-from serve.core.spec_decode.ngram_proposer import NgramProposer
 from serve.core.spec_decode.stats import SpecDecodingStats
-from serve.core.step_data import SchedulerOutput
+from serve.core.step_data import SchedulerOutput, StepResult
+
+if TYPE_CHECKING:
+    from serve.core.spec_decode.proposer import HostProposer
 
 
 def plain_sampling(seq: Sequence) -> bool:
@@ -31,9 +32,7 @@ def plain_sampling(seq: Sequence) -> bool:
 class SpecScheduling:
     """Drafts for decodes while at most `disable_above` sequences run (None: at any count)."""
 
-    def __init__(
-        self, proposer: NgramProposer | DraftSlots | EagleDrafts, disable_above: int | None, max_model_len: int
-    ) -> None:
+    def __init__(self, proposer: HostProposer, disable_above: int | None, max_model_len: int) -> None:
         self.proposer = proposer
         self.k = proposer.k
         self.disable_above = disable_above
@@ -64,23 +63,11 @@ class SpecScheduling:
             for s in running
             if s.num_computed_tokens == len(s.tokens) - 1
             and not s.num_pending
-            and (s.proposer_cache_whole or not self.proposer.has_cache)
+            and s.proposer_cache_whole  # a device proposer's cache has no gap (see note_gaps)
         ]
         room = [max(min(budget(s) - 1, self.max_model_len - s.num_tokens - 1), 0) for s in decodes]
         proposed = self.proposer.propose_seqs(decodes, room)
         return {s.seq_id: d for s, d in zip(decodes, proposed) if d}
-
-    def note(self, sched: SchedulerOutput) -> None:
-        """With auto-off a device proposer skips the step (no draft KV written): the sequences in it
-        draft no more until a preemption recomputes them (their caches would have a gap). Called
-        before the step's tokens are counted computed."""
-        if not self.proposer.has_cache:  # n-gram drafts from the tokens alone: nothing to track
-            return
-        for seq in sched.seqs:
-            if seq.num_computed_tokens == seq.num_cached_tokens:  # admitted: its KV is computed afresh
-                seq.proposer_cache_whole = True
-            if not sched.may_draft:
-                seq.proposer_cache_whole = False
 
     def lookahead(self, seq: Sequence, n: int) -> int:
         """KV slots past a step's `n` tokens that the proposer writes (EAGLE's drafts), within max_model_len."""
@@ -110,8 +97,10 @@ class SpecScheduling:
         self.stats.observe(num_draft, accepted)
         return emitted.tolist()
 
-    @staticmethod
-    def keep_drafts(sched: SchedulerOutput, drafts: np.ndarray) -> None:
-        """EAGLE: the drafts a step made on device, kept on each row's sequence for its next step."""
-        for seq, row in zip(sched.seqs, drafts.tolist()):
-            seq.next_drafts = [t for t in row if t >= 0]
+    def before_step(self, sched: SchedulerOutput) -> None:
+        """A step was scheduled: the proposer's hook (before the step's tokens are counted computed)."""
+        self.proposer.before_step(sched)
+
+    def after_step(self, sched: SchedulerOutput, res: StepResult) -> None:
+        """A step's results came back: the proposer's hook (EAGLE keeps each row's next drafts)."""
+        self.proposer.after_step(sched, res)

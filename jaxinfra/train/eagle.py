@@ -20,14 +20,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxinfra.data import DataLoader, split_corpus, unigram_entropy
-from jaxinfra.data.pipeline import document_tokens
+from jaxinfra.data import DataLoader
 from jaxinfra.loading import load_model, load_tokenizer
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.eagle import EagleHead, head_config, save_eagle_head
 from jaxinfra.train.config import RunConfig, dump_run_config
 from jaxinfra.train.logger import MetricsLogger, plot_losses
 from jaxinfra.train.optimizer import make_optimizer
+from jaxinfra.train.run_steps import RunData, run_steps
 from pallas_kernels import DenseMetadata
 
 FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's regression and classification loss weights
@@ -116,43 +116,26 @@ def train_eagle(cfg: RunConfig, progress: bool = True) -> tuple[Path, float | No
     target = load_model(cfg.eagle_target, dtype="float32")
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.eagle_target)
     head = EagleHead(head_config(target.cfg).replace(dtype="float32"), nnx.Rngs(cfg.seed))
-    corpus = split_corpus(cfg.data)
-    train_data = DataLoader(cfg.data, tokenizer, cfg.batch_size, "train", corpus["train"])
-    valid_data = DataLoader(cfg.data, tokenizer, cfg.batch_size, "valid", corpus["valid"]) if corpus["valid"] else None
-    entropy = unigram_entropy(document_tokens(tokenizer, d)[1:] for d in corpus["train"][:5000])
+    data = RunData.open(cfg, tokenizer, cfg.batch_size)
     trainer = EagleTrainer(head, target, cfg.optim)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_run_config(cfg))
     logger = MetricsLogger(out, cfg.steps, 0, True, progress)
-    pending: list[dict[str, jax.Array]] = []
-    evaluation: dict[str, float] = {}
-    for step in range(cfg.steps):
-        pending.append(trainer.step(next(train_data)))
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            fetched = jax.device_get(pending)
-            count = sum(float(m["count"]) for m in fetched)
-            logger.log(
-                done,
-                "train",
-                {
-                    "loss": float(np.mean([m["loss"] for m in fetched])),
-                    "agreement": sum(float(m["agree"]) for m in fetched) / max(count, 1.0),
-                },
-            )
-            pending = []
-        logger.advance()
-        if valid_data and (done % cfg.eval_every == 0 or done == cfg.steps):
-            evaluation = trainer.evaluate(valid_data, cfg.eval_batches)
-            logger.log(done, "eval", evaluation)
+
+    def record(fetched: list[dict[str, Any]], _: int, __: float) -> dict[str, float]:
+        count = sum(float(m["count"]) for m in fetched)
+        agreement = sum(float(m["agree"]) for m in fetched) / max(count, 1.0)
+        return {"loss": float(np.mean([m["loss"] for m in fetched])), "agreement": agreement}
+
+    valid = data.valid
+    evaluate = (lambda: trainer.evaluate(valid, cfg.eval_batches)) if valid is not None else None
+    evaluation = run_steps(cfg, 0, logger, lambda _: trainer.step(next(data.train)), record, evaluate)
     logger.close()
-    train_data.close()
-    if valid_data:
-        valid_data.close()
+    data.close()
     hf = out / "hf"
     save_eagle_head(trainer.head(), hf)
     metrics = {"steps": cfg.steps, "target": str(cfg.eagle_target), **{f"eval_{k}": v for k, v in evaluation.items()}}
     (hf / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     plot_losses(out / "metrics.jsonl", out / "loss.png")
     loss = evaluation.get("loss")
-    return hf, None if loss is None or math.isnan(loss) else loss, entropy
+    return hf, None if loss is None or math.isnan(loss) else loss, data.entropy

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfra.checkpoint import TrainCheckpointer, export_hf
 from jaxinfra.config import ModelConfig
-from jaxinfra.data import DataLoader, split_corpus, unigram_entropy
-from jaxinfra.data.pipeline import document_tokens
+from jaxinfra.data import DataLoader
 from jaxinfra.loading import load_config, load_model, load_tokenizer
 from jaxinfra.lora import add_lora, save_peft
 from jaxinfra.models import LlamaModel
@@ -31,6 +29,7 @@ from jaxinfra.train.config import RunConfig, dump_run_config
 from jaxinfra.train.eagle import train_eagle
 from jaxinfra.train.logger import MetricsLogger, plot_losses
 from jaxinfra.train.optimizer import make_schedule
+from jaxinfra.train.run_steps import RunData, run_steps
 from jaxinfra.train.step import Trainer, TrainState, per_device_bytes
 from jaxinfra.train.throughput import device_memory_gib, device_peak_tflops, flops_per_token
 from sharding import get_rules, make_mesh
@@ -124,10 +123,8 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     model_cfg, tokenizer, pretrained = model_source(cfg)
     mesh = make_mesh(cfg.mesh)
     seq_len, rows = cfg.data.seq_len, cfg.batch_size
-    corpus = split_corpus(cfg.data)
-    train_data = DataLoader(cfg.data, tokenizer, rows, "train", corpus["train"])
-    valid_data = DataLoader(cfg.data, tokenizer, rows, "valid", corpus["valid"]) if corpus["valid"] else None
-    entropy = unigram_entropy(document_tokens(tokenizer, d)[1:] for d in corpus["train"][:5000])
+    data = RunData.open(cfg, tokenizer, rows)
+    train_data, valid_data = data.train, data.valid
 
     if cfg.lora is not None and not pretrained:
         raise ValueError(
@@ -169,12 +166,10 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
     flops = flops_per_token(model_cfg, seq_len)
     peak = cfg.peak_tflops or device_peak_tflops()
     state_gib = per_device_bytes(state) / 2**30
-    pending: list[dict[str, jax.Array]] = []
-    eval_loss = base_loss = None
+    base_loss = None
     if cfg.lora is not None and valid_data and start == 0:  # adapters start as a no-op: the base model's loss
         base_loss = _evaluate(trainer, state.params, valid_data, cfg.eval_batches, rows)
         logger.log(0, "eval", {"loss": base_loss, "perplexity": math.exp(min(base_loss, 50.0))})
-    tic = time.perf_counter()
     profiler = StepProfiler(cfg.profile_steps, cfg.profile_start, out / "tb")
     if trainer.pipeline is not None and chief:
         pp = trainer.pipeline
@@ -182,56 +177,59 @@ def train(cfg: RunConfig, progress: bool = True) -> TrainResult:
             f"pipeline: {pp.stages} stages x {pp.microbatches} microbatches, {cfg.pipeline_schedule} "
             f"({pp.repeats} chunk(s) of layers per stage), bubble fraction {pp.bubble_fraction():.3f}"
         )
-    for step in range(start, cfg.steps):
-        profiler.before(step)
+
+    def step(i: int) -> dict[str, jax.Array]:
+        nonlocal state
+        profiler.before(i)
         state, metrics = trainer.step(state, trainer.place_local_batch(next(train_data), rows))
-        profiler.after(step, metrics)
-        pending.append(metrics)
-        done = step + 1
-        # A window also closes at each checkpoint, so a run resumed there logs the same windows
-        # (and the same averaged losses) as one that never stopped.
-        log_now = done % cfg.log_every == 0 or done == cfg.steps or done % cfg.checkpoint.every == 0
-        if log_now:
-            fetched = jax.device_get(pending)
-            seconds = time.perf_counter() - tic
-            tokens = sum(float(m["tokens"]) for m in fetched)
-            record: dict[str, float | list[float]] = {
-                "loss": float(np.mean([m["loss"] for m in fetched])),
-                "grad_norm": float(fetched[-1]["grad_norm"]),
-                "lr": float(schedule(step)),
-                "tokens_per_s": tokens / seconds,
-                "state_gib": state_gib,
-                **device_memory_gib(),
-            }
-            if "expert_tokens" in fetched[-1]:  # MoE: router losses and per-expert load over the window
-                load = np.sum([m["expert_tokens"] for m in fetched], axis=0)
-                record.update(
-                    moe_aux_loss=float(np.mean([m["moe_aux_loss"] for m in fetched])),
-                    moe_z_loss=float(np.mean([m["moe_z_loss"] for m in fetched])),
-                    expert_imbalance=float(np.mean([m["expert_imbalance"] for m in fetched])),
-                    expert_tokens=load.sum(axis=0).tolist(),  # summed over MoE layers and the window
-                )
-            if peak:
-                record["mfu"] = flops * tokens / seconds / (peak * 1e12 * jax.device_count())
-            logger.log(done, "train", record)
-            pending = []
-        logger.advance()
-        if valid_data and (done % cfg.eval_every == 0 or done == cfg.steps):
-            eval_loss = _evaluate(trainer, state.params, valid_data, cfg.eval_batches, rows)
-            logger.log(done, "eval", {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))})
+        profiler.after(i, metrics)
+        return metrics
+
+    def record(fetched: list[dict[str, Any]], i: int, seconds: float) -> dict[str, float | list[float]]:
+        tokens = sum(float(m["tokens"]) for m in fetched)
+        out: dict[str, float | list[float]] = {
+            "loss": float(np.mean([m["loss"] for m in fetched])),
+            "grad_norm": float(fetched[-1]["grad_norm"]),
+            "lr": float(schedule(i)),
+            "tokens_per_s": tokens / seconds,
+            "state_gib": state_gib,
+            **device_memory_gib(),
+        }
+        if "expert_tokens" in fetched[-1]:  # MoE: router losses and per-expert load over the window
+            load = np.sum([m["expert_tokens"] for m in fetched], axis=0)
+            out.update(
+                moe_aux_loss=float(np.mean([m["moe_aux_loss"] for m in fetched])),
+                moe_z_loss=float(np.mean([m["moe_z_loss"] for m in fetched])),
+                expert_imbalance=float(np.mean([m["expert_imbalance"] for m in fetched])),
+                expert_tokens=load.sum(axis=0).tolist(),  # summed over MoE layers and the window
+            )
+        if peak:
+            out["mfu"] = flops * tokens / seconds / (peak * 1e12 * jax.device_count())
+        return out
+
+    def evaluate() -> dict[str, float]:
+        assert valid_data is not None
+        loss = _evaluate(trainer, state.params, valid_data, cfg.eval_batches, rows)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+    def checkpoint(done: int) -> None:
         if done % cfg.checkpoint.every == 0 or done == cfg.steps:
             checkpoints.save(done, state.params, state.opt_state, train_data)
-        if log_now:
-            tic = time.perf_counter()
+
+    # A window also closes at each checkpoint, so a run resumed there logs the same windows (and the
+    # same averaged losses) as one that never stopped.
+    at_checkpoint = lambda done: done % cfg.checkpoint.every == 0
+    evaluation = run_steps(
+        cfg, start, logger, step, record, evaluate if valid_data else None, checkpoint, at_checkpoint
+    )
+    eval_loss = evaluation.get("loss")
     profiler.close()
     checkpoints.wait()
     checkpoints.close()
     logger.close()
-    train_data.close()
-    if valid_data:
-        valid_data.close()
+    data.close()
     if cfg.export_hf and start < cfg.steps:
         _export(cfg, trainer, state.params, model_cfg, tokenizer)
     if chief and (out / "metrics.jsonl").is_file():
-        plot_losses(out / "metrics.jsonl", out / "loss.png", {"unigram entropy": entropy})
-    return TrainResult(out, start, cfg.steps, eval_loss, entropy, base_loss)
+        plot_losses(out / "metrics.jsonl", out / "loss.png", {"unigram entropy": data.entropy})
+    return TrainResult(out, start, cfg.steps, eval_loss, data.entropy, base_loss)

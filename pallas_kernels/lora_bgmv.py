@@ -27,6 +27,8 @@ from pallas_kernels.lora_reference import check_pools, check_slots
 from pallas_kernels.lora_xla import pool_grads
 from pallas_kernels.quant_matmul import SM_COUNT
 
+STEP_ELEMENTS = 4096  # products one program step forms: past this, rank 64 reached 162 registers
+
 
 @dataclasses.dataclass(frozen=True)
 class BgmvTiles:
@@ -43,12 +45,14 @@ def pow2_at_least(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, n - 1).bit_length())
 
 
-def default_tiles(tokens: int, n_in: int, n_out: int) -> BgmvTiles:
-    """Up to 256-wide steps and column blocks; in_dim split so tokens x splits reach 2 * SM_COUNT."""
-    block_k = min(256, pow2_at_least(n_in))
+def default_tiles(tokens: int, n_in: int, n_out: int, rank: int) -> BgmvTiles:
+    """Steps and column blocks of up to 4096 products (256 x rank 16; fewer columns at larger ranks,
+    32 float32 values per thread of 4 warps); in_dim split so tokens x splits reach 2 * SM_COUNT."""
+    width = min(256, STEP_ELEMENTS // pow2_at_least(rank))
+    block_k = min(width, pow2_at_least(n_in))
     steps = pl.cdiv(n_in, block_k)
     splits = max(1, min(steps, 2 * SM_COUNT // max(tokens, 1)))
-    return BgmvTiles(block_k, min(256, pow2_at_least(n_out)), splits)
+    return BgmvTiles(block_k, min(width, pow2_at_least(n_out)), splits)
 
 
 def _iota(n: int) -> jax.Array:
@@ -140,7 +144,7 @@ def _bgmv_fwd(x, slots, a, b, scaling, tiles, interpret):
 def _bgmv_bwd(tiles, interpret, residuals, dy):
     x, slots, a, b, scaling = residuals
     n_out, n_in = b.shape[2], a.shape[1]
-    back = default_tiles(x.shape[0], n_out, n_in)
+    back = default_tiles(x.shape[0], n_out, n_in, a.shape[2])
     dx = _bgmv(dy.astype(x.dtype), slots, jnp.swapaxes(b, 1, 2), jnp.swapaxes(a, 1, 2), scaling, back, interpret)
     return (dx, None, *pool_grads(x, slots, a, b, scaling, dy))
 
@@ -162,6 +166,6 @@ def bgmv_pallas(
     decode kernels, differentiable in x, A, B and scaling."""
     check_pools(x, a, b, scaling)
     check_slots(x, slots)
-    tiles = tiles or default_tiles(x.shape[0], a.shape[1], b.shape[2])
+    tiles = tiles or default_tiles(x.shape[0], a.shape[1], b.shape[2], a.shape[2])
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     return _bgmv_diff(x, slots.astype(jnp.int32), a, b, scaling, tiles, interpret)

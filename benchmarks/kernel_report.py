@@ -32,6 +32,8 @@ from tqdm import tqdm
 
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.grouped_matmul import grouped_matmul_pallas
+from pallas_kernels.lora_bgmv import bgmv_pallas
+from pallas_kernels.lora_sgmv import sgmv_pallas
 from pallas_kernels.quant_matmul import int8_matmul_pallas, weight_only_matmul_pallas
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -269,11 +271,25 @@ def grouped_matmul_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any]
         yield f"backward M{m} G{g} K{k} N{n}", bwd, args
 
 
+def lora_shapes(quick: bool) -> Iterator[tuple[str, Callable[..., Any], tuple[S, ...]]]:
+    """Multi-LoRA's BGMV at decode batches and SGMV at a prefill chunk, 8 adapter slots on Llama-8B's
+    q (4096 -> 4096) and MLP down (14336 -> 4096) projections, rank 16 (and 64)."""
+    layers = [(4096, 4096)] if quick else [(4096, 4096), (14336, 4096)]
+    for (k, n), r in itertools.product(layers, (16,) if quick else (16, 64)):
+        pools = (S((8, k, r), jnp.bfloat16), S((8, r, n), jnp.bfloat16), S((8,), jnp.float32))
+        for t in (1, 64) if quick else (1, 16, 64, 256):
+            args = (S((t, k), jnp.bfloat16), S((t,), jnp.int32), *pools)
+            yield f"bgmv T{t} K{k} N{n} R{r}", functools.partial(bgmv_pallas, interpret=False), args
+        segs = (S((2048, k), jnp.bfloat16), S((5,), jnp.int32), S((4,), jnp.int32), *pools)
+        yield f"sgmv T2048 K{k} N{n} R{r}", functools.partial(sgmv_pallas, interpret=False), segs
+
+
 def report(quick: bool) -> list[KernelStats]:
     jobs: list[tuple[str, Callable[..., Any], tuple[S, ...]]] = list(flash_shapes(quick))
     jobs += [(str(p), p.fn(), p.args()) for p in paged_shapes(quick)]
     jobs += list(quant_matmul_shapes(quick))
     jobs += list(grouped_matmul_shapes(quick))
+    jobs += list(lora_shapes(quick))
     rows = []
     for shape, fn, args in tqdm(jobs, desc="lowering + compiling for sm_90a", unit="shape"):
         for kernel in triton_kernels(fn, *args):

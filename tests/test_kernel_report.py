@@ -22,6 +22,10 @@ def test_serving_shapes_compile_without_spills():
         "jaxinfra_merge_splits",
         "jaxinfra_grouped_matmul",
         "jaxinfra_grouped_matmul_dw",
+        "jaxinfra_lora_bgmv_shrink",
+        "jaxinfra_lora_bgmv_expand",
+        "jaxinfra_lora_sgmv_shrink",
+        "jaxinfra_lora_sgmv_expand",
     }
     bad = [r for r in rows if not r.ok]
     assert not bad, table(bad)

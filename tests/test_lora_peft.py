@@ -106,3 +106,21 @@ def test_peft_config_we_cannot_run_is_refused(base, tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
     with pytest.raises(ValueError, match="use_rslora"):
         load_peft(jaxinfra.load_model(path), tmp_path)
+
+
+def test_dropout_only_with_a_key_and_by_it(base):
+    """LoRA dropout is an explicit forward input (ForwardOptions.dropout_key): without a key the adapters
+    are deterministic (evaluation, serving); a key drops their inputs, the same key the same way."""
+    import jax
+
+    from jaxinfra.models import ForwardOptions
+
+    _, path = base
+    ours = add_lora(jaxinfra.load_model(path), LoraConfig(4, 8.0, 0.5, TARGETS), nnx.Rngs(0))
+    _randomize(ours)
+    ids = jnp.asarray(IDS, jnp.int32)
+    run = lambda key: np.asarray(ours(ids, options=ForwardOptions(dropout_key=key)))
+    plain, k1, k1_again, k2 = run(None), run(jax.random.key(1)), run(jax.random.key(1)), run(jax.random.key(2))
+    np.testing.assert_array_equal(plain, np.asarray(ours(ids)))
+    np.testing.assert_array_equal(k1, k1_again)
+    assert np.abs(k1 - plain).max() > 1e-3 and np.abs(k1 - k2).max() > 1e-3

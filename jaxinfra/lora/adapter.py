@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import string
 from collections.abc import Callable, Iterator
@@ -22,21 +20,10 @@ from jaxinfra.models.moe import MoE
 from jaxinfra.quant.qlinear import WrappedLinear, linear
 
 _N_IN = {"o_proj": 2}  # leading input dims of each weight ([H, D, E] for o_proj; 1 for the rest)
-_DROPOUT_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_dropout_key", default=None)
 
 
 class LoraParam(nnx.Param):
     """An adapter matrix: in a model with adapters, the only parameters training updates."""
-
-
-@contextlib.contextmanager
-def lora_dropout(key: jax.Array) -> Iterator[None]:
-    """Within: adapters with dropout > 0 drop their inputs (randomness from `key`); outside, none do."""
-    token = _DROPOUT_KEY.set(key)
-    try:
-        yield
-    finally:
-        _DROPOUT_KEY.reset(token)
 
 
 def apply_lora(
@@ -83,9 +70,8 @@ class LoraLinear(WrappedLinear):
     def rank(self) -> int:
         return int(self.lora_a.shape[-1])
 
-    def __call__(self, spec: str, x: jax.Array) -> jax.Array:
+    def __call__(self, spec: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         a = self.lora_a[...]
-        key = _DROPOUT_KEY.get()
         if key is not None and self.dropout:  # each adapter (and scanned layer) its own mask: A's bits
             bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(a.reshape(-1)[0]).astype(jnp.float32), jnp.uint32)
             key = jax.random.fold_in(key, bits)

@@ -68,12 +68,18 @@ class Attention(nnx.Module):
     v_proj: Weight
     o_proj: Weight
 
-    def _qkv(self, x: Float[Array, "B T E"], fused: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(self, x: Float[Array, "B T E"], options: ForwardOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Q, K, V projections; `fused` into one matmul over [E, KV heads, group + 2, D] (Megatron's
         layout, sharded over KV heads), so tensor parallelism reduces the input gradient once, not three times."""
-        wq, wk, wv = self.q_proj, self.k_proj, self.v_proj
-        if not (fused and isinstance(wq, nnx.Param) and isinstance(wk, nnx.Param) and isinstance(wv, nnx.Param)):
-            return linear("bte,ehd->bthd", x, wq), linear("bte,ehd->bthd", x, wk), linear("bte,ehd->bthd", x, wv)
+        wq, wk, wv, key = self.q_proj, self.k_proj, self.v_proj, options.dropout_key
+        if not (
+            options.fused_projections
+            and isinstance(wq, nnx.Param)
+            and isinstance(wk, nnx.Param)
+            and isinstance(wv, nnx.Param)
+        ):
+            spec = "bte,ehd->bthd"
+            return linear(spec, x, wq, key), linear(spec, x, wk, key), linear(spec, x, wv, key)
         kh, group = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
         q = wq[...].reshape(x.shape[-1], kh, group, -1)
         w = jnp.concatenate([q, wk[...][:, :, None], wv[...][:, :, None]], axis=2)
@@ -90,7 +96,7 @@ class Attention(nnx.Module):
         options: ForwardOptions = ForwardOptions(),
     ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
         """Per-head attention output, before the output projection (what o_proj sees)."""
-        q, k, v = self._qkv(x, options.fused_projections)
+        q, k, v = self._qkv(x, options)
         if self.cfg.qkv_bias:
             q, k, v = add_bias(q, self.q_bias[...]), add_bias(k, self.k_bias[...]), add_bias(v, self.v_bias[...])
         if self.cfg.qk_norm:
@@ -121,11 +127,11 @@ class Attention(nnx.Module):
         options: ForwardOptions = ForwardOptions(),
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
         out, cache = self.heads(x, positions, metadata, cache, options)
-        return self.project(out), cache
+        return self.project(out, options.dropout_key), cache
 
-    def project(self, out: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
-        """The output projection (and its bias) of per-head attention outputs."""
-        y = linear("bthd,hde->bte", out, self.o_proj)
+    def project(self, out: Float[Array, "B T H D"], key: jax.Array | None = None) -> Float[Array, "B T E"]:
+        """The output projection (and its bias) of per-head attention outputs (`key`: LoRA dropout's)."""
+        y = linear("bthd,hde->bte", out, self.o_proj, key)
         return add_bias(y, self.o_bias[...]) if self.cfg.o_bias else y
 
 
@@ -142,18 +148,19 @@ class MLP(nnx.Module):
     up_proj: Weight
     down_proj: Weight
 
-    def hidden(self, x: Float[Array, "B T E"], fused: bool = False) -> Float[Array, "B T M"]:
-        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul when `fused`)."""
-        if fused and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
+    def hidden(self, x: Float[Array, "B T E"], options: ForwardOptions = ForwardOptions()) -> Float[Array, "B T M"]:
+        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul with fused_projections)."""
+        if options.fused_projections and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
             w = jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=1)
             out = weight_einsum("bte,ecm->btcm", x, w, names=("embed", None, "mlp"))
             gate, up = out[:, :, 0], out[:, :, 1]
         else:
-            gate, up = linear("bte,em->btm", x, self.gate_proj), linear("bte,em->btm", x, self.up_proj)
+            key = options.dropout_key
+            gate, up = linear("bte,em->btm", x, self.gate_proj, key), linear("bte,em->btm", x, self.up_proj, key)
         return constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
 
-    def __call__(self, x: Float[Array, "B T E"], fused: bool = False) -> Float[Array, "B T E"]:
-        return linear("btm,me->bte", self.hidden(x, fused), self.down_proj)
+    def __call__(self, x: Float[Array, "B T E"], options: ForwardOptions = ForwardOptions()) -> Float[Array, "B T E"]:
+        return linear("btm,me->bte", self.hidden(x, options), self.down_proj, options.dropout_key)
 
 
 class DecoderLayer(nnx.Module):
@@ -182,7 +189,7 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mlp, MoE):
             h, stats = self.mlp(self.post_attn_norm(x), options, valid)
         else:
-            h = self.mlp(self.post_attn_norm(x), options.fused_projections)
+            h = self.mlp(self.post_attn_norm(x), options)
         return constrain(x + h, ("batch", "length", "embed")), cache, stats
 
 

@@ -144,7 +144,7 @@ class MoE(nnx.Module):
             out, stats = self._routed(h, weights, options, valid)
         if self.shared is not None:
             gate = jax.nn.sigmoid(jnp.einsum("bte,e->bt", h, self.shared_gate[...].astype(h.dtype)))
-            out = out + gate[..., None] * self.shared(h, options.fused_projections)
+            out = out + gate[..., None] * self.shared(h, options)
         return constrain(out, ("batch", "length", "embed")), stats
 
     def _routed(

@@ -28,6 +28,8 @@ class ForwardOptions:
     zigzag: bool = False  # rows split over the context axis arrive in `zigzag_order` (the caller reordered them)
     remat: str = "none"  # recompute each decoder layer in the backward pass: a REMAT_POLICIES key
     compute_dtype: str | None = None  # activations' dtype when the weights are float32 masters
+    # LoRA adapters with dropout > 0 drop their inputs, randomly from this key (training steps); None: none do
+    dropout_key: jax.Array | None = None
 
     def __post_init__(self) -> None:
         if self.capacity_factor is not None and self.capacity_factor <= 0:

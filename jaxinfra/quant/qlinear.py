@@ -140,18 +140,19 @@ class QuantizedLinear(nnx.Module):
 class WrappedLinear(nnx.Module):
     """A weight with more computation around its projection (jaxinfra.lora's adapters): w(spec, x)."""
 
-    def __call__(self, spec: str, x: jax.Array) -> jax.Array:
+    def __call__(self, spec: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """The projection; `key`: randomness for its dropout, if it has any (ForwardOptions.dropout_key)."""
         raise NotImplementedError
 
 
 Weight = nnx.Param | QuantizedLinear | WrappedLinear
 
 
-def linear(spec: str, x: jax.Array, w: Weight) -> jax.Array:
+def linear(spec: str, x: jax.Array, w: Weight, key: jax.Array | None = None) -> jax.Array:
     """A projection: `jnp.einsum(spec, x, w)` for a dense weight, the quantized matmul for a quantized
     one, and a wrapped weight's own call."""
     if isinstance(w, QuantizedLinear):
         return w(x)
     if isinstance(w, WrappedLinear):
-        return w(spec, x)
+        return w(spec, x, key)
     return weight_einsum(spec, x, w[...])

@@ -19,7 +19,7 @@ import optax
 from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxinfra.lora.adapter import LoraParam, join_params, lora_dropout, split_params
+from jaxinfra.lora.adapter import LoraParam, join_params, split_params
 from jaxinfra.models import ForwardOptions, LlamaModel, moe
 from jaxinfra.models.llama import LayerStack, merge_params, row_positions, stack_layers, unstack_layers
 from jaxinfra.models.options import REMAT_POLICIES
@@ -234,10 +234,11 @@ class Trainer:
             for k, v in rows.items()
         }
 
-    def _loss(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def _loss(self, params: Params, batch: dict[str, jax.Array], key: Any = None) -> tuple[jax.Array, dict]:
         """The summed objective (cross-entropy, plus the router losses of MoE models scaled by the
-        target count) and its parts: count, ce (summed), and for MoE the router's statistics."""
-        ce, count, router = self._ce(params, batch)
+        target count) and its parts: count, ce (summed), and for MoE the router's statistics. `key`:
+        LoRA dropout's (ForwardOptions.dropout_key)."""
+        ce, count, router = self._ce(params, batch, key)
         parts = {"count": count, "ce": ce}
         if router is None:
             return ce, parts
@@ -247,7 +248,7 @@ class Trainer:
         )
         return ce + count * penalty, parts
 
-    def _ce(self, params: Params, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, moe.RouterStats | None]:
+    def _ce(self, params: Params, batch: dict, key: Any) -> tuple[jax.Array, jax.Array, moe.RouterStats | None]:
         compute = jnp.dtype(self.cfg.compute_dtype)
         masters = self.cfg.grad_reduce_dtype == "float32" and compute != jnp.float32
         if not masters:
@@ -264,6 +265,7 @@ class Trainer:
             zigzag=zigzag,
             remat=self.cfg.remat,  # per decoder layer
             compute_dtype=self.cfg.compute_dtype if masters else None,
+            dropout_key=key,
         )
         if self.pipeline is not None and stack is not None:
             if model.cfg.num_experts:
@@ -272,16 +274,16 @@ class Trainer:
         return lm_loss(model, batch, stack, options)
 
     def loss_and_grads(
-        self, params: Params, batch: dict[str, jax.Array]
+        self, params: Params, batch: dict[str, jax.Array], dropout_key: jax.Array | None = None
     ) -> tuple[jax.Array, Params, dict[str, jax.Array]]:
         """Mean cross-entropy and gradients (of the whole objective) over the batch, accumulated over
         `microbatches` (traced in the step), and the objective's parts summed (see _loss); gradients
-        of the trained parameters only (ModelDef.partition)."""
+        of the trained parameters only (ModelDef.partition). `dropout_key`: LoRA dropout's, if any."""
         micro = self.cfg.microbatches
         rows, length = next(iter(batch.values())).shape[:2]
         self.check_batch(rows, length)
         params, frozen = self.model_def.partition(params)
-        loss_fn = lambda p, b: self._loss(join_params(p, frozen), b)
+        loss_fn = lambda p, b: self._loss(join_params(p, frozen), b, dropout_key)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.pipeline is not None:  # the pipeline runs the microbatches itself, in one pass
             (_, parts), grads = grad_fn(params, batch)
@@ -324,8 +326,8 @@ class Trainer:
 
     def _step_impl(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         dropout_key = jax.random.fold_in(jax.random.key(0), state.step)  # LoRA dropout's, if any
-        with logical_rules(self.mesh, self.rules.activations), lora_dropout(dropout_key):
-            loss, grads, parts = self.loss_and_grads(state.params, batch)  # ZeRO-2/3: grads reduce-scattered
+        with logical_rules(self.mesh, self.rules.activations):  # ZeRO-2/3: grads reduce-scattered
+            loss, grads, parts = self.loss_and_grads(state.params, batch, dropout_key)
             trained, frozen = self.model_def.partition(state.params)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
             params = join_params(optax.apply_updates(trained, updates), frozen)

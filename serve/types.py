@@ -87,10 +87,8 @@ class CoreLaunch(msgspec.Struct, array_like=True):
     args: EngineArgs
     eos_token_ids: list[int]
     warmup: bool
-    input_addr: str
-    output_fd: int  # the output pipe's write end (serve.core.output_pipe)
-    ready_fd: int  # where it writes EngineCoreReady (or StartupError) once
-    heartbeat_fd: int  # where a thread of its own writes a byte every HEARTBEAT_INTERVAL_S while it runs
+    input_fd: int  # the read end of the frontend's pipe to it (serve.core.transport)
+    output_fd: int  # the write end of its pipe to the frontend: ready, outputs and heartbeats
     parent_pid: int  # the frontend: the core exits when it is no longer its parent (it may die before we read this)
 
 
@@ -121,9 +119,6 @@ class AbortRequests(msgspec.Struct, array_like=True, tag=True):
     request_ids: list[str]
     sequences: list[tuple[str, int]] = []
 
-
-CoreInput = EngineCoreRequest | AbortRequests | UtilityCall
-CoreOutput = EngineCoreOutputs | EngineCoreReady
 
 # Per position: {token_id: logprob} holding the sampled (or actual prompt) token and the top-n.
 Logprobs = list[dict[int, float]]

@@ -129,21 +129,3 @@ def test_supervisor_restarts_a_dead_core():
         assert engine.core.proc.pid != old and engine.restarts == 1
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-
-
-def test_socket_folders_of_killed_frontends_are_swept(tmp_path):
-    """A frontend killed before it cleans up leaves its socket folder; the next one removes it (not a
-    live frontend's, nor a folder it cannot tell the owner of)."""
-    import subprocess
-    import sys
-
-    from serve.engine.core_client import SOCKET_DIR_PREFIX, remove_stale_socket_dirs
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    dead, live, unknown = (tmp_path / f"{SOCKET_DIR_PREFIX}{pid}-x" for pid in (gone.pid, os.getpid(), "old"))
-    for folder in (dead, live, unknown):
-        folder.mkdir()
-        (folder / "input").write_text("")
-    remove_stale_socket_dirs(str(tmp_path))
-    assert not dead.exists() and live.exists() and unknown.exists()

@@ -1,6 +1,7 @@
 """The engine core's room: what runs in the core process (or in process for the offline LLM).
 
-core_proc.py           the core process: builds an EngineCore, serves its ZeroMQ socket and output pipe
+core_proc.py           the core process: builds an EngineCore, serves its frontend over the one channel
+transport.py           that channel: a pipe each way, length-prefixed frames of a Kind (outputs, heartbeats...)
 engine_core.py         EngineCore: add / abort / step over the scheduler and the model runner
 scheduler.py           continuous batching: admission, chunked prefill, preemption, spec-decode slots
 scheduling_policy.py   the waiting queue's order (FCFS, priority, fair) and the preemption victim

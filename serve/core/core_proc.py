@@ -1,18 +1,18 @@
-"""The engine-core process: loads the model, then busy-loops on steps, fed over ZeroMQ.
+"""The engine-core process: loads the model, then busy-loops on steps, fed by its frontend.
 
-Requests, aborts and utility calls arrive on a PULL socket; outputs, scheduler stats and utility
-results leave as frames on a pipe (serve.core.output_pipe), all msgpack-encoded msgspec structs. It runs
-until terminated, until its parent dies, or until a step raises (the frontend sees the process end
-and fails what was in flight). From its first moment a thread of its own beats a heartbeat pipe,
-whatever the step loop is doing (a step may compile for minutes): a frontend that hears nothing knows
-the process itself is stuck.
+One channel (serve.core.transport) joins them, a pipe each way: requests, aborts and utility calls
+arrive as frames on one; readiness (or why it could not start), outputs, scheduler stats, utility
+results and heartbeats leave as frames on the other, all msgpack-encoded msgspec structs. It runs
+until terminated, until its parent dies or closes its end, or until a step raises (the frontend sees
+the process end and fails what was in flight). From its first moment a thread of its own sends
+heartbeats, whatever the step loop is doing (a step may compile for minutes): a frontend that hears
+nothing knows the process itself is stuck.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -21,18 +21,16 @@ import traceback
 
 import jax
 import msgspec
-import zmq
 
 from serve.config import EngineArgs
 from serve.core.engine_core import EngineCore
 from serve.core.grammar_queue import GrammarQueue
 from serve.core.loop_stream import LoopTokenStream
 from serve.core.model_loading import enable_compilation_cache, load_engine_model
-from serve.core.output_pipe import write_frame
 from serve.core.pids import exit_with_parent
+from serve.core.transport import FrameReader, FrameWriter, Kind, decoders
 from serve.types import (
     AbortRequests,
-    CoreInput,
     CoreLaunch,
     EngineCoreOutputs,
     EngineCoreReady,
@@ -57,17 +55,14 @@ HEARTBEAT_INTERVAL_S = 0.2
 SWITCH_INTERVAL_S = 0.0005
 
 
-def start_heartbeat(fd: int) -> None:
-    """Write a byte to `fd` every HEARTBEAT_INTERVAL_S from a daemon thread (a full pipe, whose
-    reader is busy, drops the byte: only silence matters)."""
-    os.set_blocking(fd, False)
+def start_heartbeat(out: FrameWriter) -> None:
+    """Send a heartbeat frame every HEARTBEAT_INTERVAL_S from a daemon thread (while the frontend does
+    not read, the pipe fills and the beat waits with the core's other frames: only silence matters)."""
 
     def beat() -> None:
         while True:
             try:
-                os.write(fd, b"\0")
-            except BlockingIOError:
-                pass
+                out.write(Kind.HEARTBEAT)
             except OSError:
                 return  # the frontend closed its end
             time.sleep(HEARTBEAT_INTERVAL_S)
@@ -124,37 +119,29 @@ def decode_input(
         return None
 
 
-def run_engine_core(launch: CoreLaunch) -> None:
-    """Build the core, report readiness on launch.ready_fd, then serve the sockets until terminated.
-    Every message leaves through one sender thread (serve.core.loop_stream), which also streams the decode
-    loops' tokens as they are made."""
-    ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    encoder = msgspec.msgpack.Encoder()
+def run_engine_core(launch: CoreLaunch, out: FrameWriter) -> None:
+    """Build the core, send readiness (or the reason it could not start) on `out`, then serve the
+    input pipe until terminated or until the frontend closes its end. Every output leaves through one
+    sender thread (serve.core.loop_stream), which also streams the decode loops' tokens as they are made."""
 
     def send(msg: EngineCoreOutputs) -> None:
         try:
-            write_frame(launch.output_fd, encoder.encode(msg))
+            out.send(msg)
         except BrokenPipeError:  # the frontend is gone: nobody is left to serve
             os._exit(0)
 
-    with os.fdopen(launch.ready_fd, "wb") as ready:
-        try:
-            start_xla_off_reserved_cores(launch.args.cpu_reserved_cores)
-            stream = LoopTokenStream(send)
-            core = build_core(launch.args, tuple(launch.eos_token_ids), launch.warmup, stream)
-        except BaseException as e:
-            ready.write(msgspec.msgpack.encode(StartupError(f"{type(e).__name__}: {e}")))
-            raise
-        ready.write(
-            msgspec.msgpack.encode(
-                EngineCoreReady(
-                    core.block_manager.num_blocks, core.max_model_len, core.vocab_size, list(core.eos_token_ids)
-                )
-            )
-        )
-    inp.connect(launch.input_addr)
-    decoder = msgspec.msgpack.Decoder(CoreInput)
+    try:
+        start_xla_off_reserved_cores(launch.args.cpu_reserved_cores)
+        stream = LoopTokenStream(send)
+        core = build_core(launch.args, tuple(launch.eos_token_ids), launch.warmup, stream)
+    except BaseException as e:
+        out.send(StartupError(f"{type(e).__name__}: {e}"))
+        raise
+    out.send(
+        EngineCoreReady(core.block_manager.num_blocks, core.max_model_len, core.vocab_size, list(core.eos_token_ids))
+    )
+    inp = FrameReader(launch.input_fd)
+    inputs = decoders(Kind.REQUEST, Kind.ABORT, Kind.UTILITY)
     grammars = GrammarQueue(core)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.collect()
@@ -187,7 +174,7 @@ def run_engine_core(launch: CoreLaunch) -> None:
             if idle and grammars:
                 grammars.wait(GRAMMAR_POLL_S)
             elif idle:
-                woke = inp.poll(IDLE_WAKE_MS)
+                woke = inp.wait(IDLE_WAKE_MS / 1000)
                 # Offers pulled or expired: the frontend's /metrics learns it. Polled on every idle wake, so
                 # a client calling more often than IDLE_WAKE_MS does not starve it.
                 if core.poll_kv_transfers():
@@ -196,11 +183,12 @@ def run_engine_core(launch: CoreLaunch) -> None:
                     continue
             reply = EngineCoreOutputs(rejected=grammars.admit())
             arrived = False
-            while inp.poll(0):
-                msg = decode_input(decoder, inp.recv(), reply)
-                if msg is not None:
-                    take(msg, reply)
+            for kind, frame in inp.take():
                 arrived = True
+                if kind not in inputs:
+                    print(f"engine core: dropped a {kind.name} frame, not an input", file=sys.stderr)
+                elif (msg := decode_input(inputs[kind], frame, reply)) is not None:
+                    take(msg, reply)
             if core.has_work():
                 reply.outputs = core.step()
                 reply.rejected += grammars.failed(reply.outputs)
@@ -209,24 +197,21 @@ def run_engine_core(launch: CoreLaunch) -> None:
             reply.stats = core.stats()
             reply.stats.num_waiting += len(grammars)
             stream.results(reply, core.applied_step)
+    except EOFError:  # the frontend closed its end (or died writing a frame): nobody is left to serve
+        pass
     except Exception:
         traceback.print_exc(file=sys.stderr)
         raise
     finally:
         stream.close()
-        inp.close(linger=0)
-        ctx.term()
-
-
-def remove_socket_dir(input_addr: str) -> None:
-    """The frontend's socket folder (it removes it itself unless it was killed)."""
-    shutil.rmtree(os.path.dirname(input_addr.removeprefix("ipc://")), ignore_errors=True)
+        inp.close()
 
 
 def main() -> None:
     """`python -c "from serve.core.core_proc import main; main()"` with a msgpack CoreLaunch on stdin."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     launch = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=CoreLaunch)
-    exit_with_parent(launch.parent_pid, lambda: remove_socket_dir(launch.input_addr))  # also during load and warm-up
-    start_heartbeat(launch.heartbeat_fd)
-    run_engine_core(launch)
+    exit_with_parent(launch.parent_pid)  # also during load and warm-up
+    out = FrameWriter(launch.output_fd)
+    start_heartbeat(out)
+    run_engine_core(launch, out)

@@ -1,34 +1,27 @@
-"""The frontend's handle on an engine-core process: spawn it, send it requests over ZeroMQ, read its
-outputs from a pipe, and watch it: the process's exit and its heartbeat pipe (beaten by a thread of
-its own, so a long step is not silence, but a stopped or wedged process is)."""
+"""The frontend's handle on an engine-core process: spawn it, talk to it over one channel (a pipe each
+way, serve.core.transport: requests, aborts and utility calls in; ready, outputs and heartbeats out),
+and watch it: the process's exit and its heartbeats (sent by a thread of its own, so a long step is
+not silence, but a stopped or wedged process is)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
-import select
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from serve.config import EngineArgs
 from serve.core.core_proc import ALLOCATOR_ENV
 from serve.core.kv_budget import core_process_env
-from serve.core.output_pipe import FrameReader, open_output_pipe
-from serve.core.pids import creator_gone
+from serve.core.transport import AsyncFrameWriter, FrameReader, Kind, TornFrameError, encode, open_pipe
 from serve.types import (
     AbortRequests,
     CoreLaunch,
-    CoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
@@ -56,24 +49,15 @@ def xla_pool_env(args: EngineArgs) -> dict[str, str]:
     return {"PJRT_NPROC": str(max(1, cores - args.cpu_reserved_cores))}
 
 
-SOCKET_DIR_PREFIX = "jaxinfra-core-"  # + the frontend's pid: a killed frontend's folder is swept later
-
-
-def remove_stale_socket_dirs(root: str | None = None) -> None:
-    """Remove socket folders of frontends that are gone (killed before they could clean up)."""
-    for path in Path(root or tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*-*"):
-        if creator_gone(path.name, SOCKET_DIR_PREFIX):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone: what was in flight failed, nothing new is accepted."""
 
 
 class CoreProcess:
-    """One engine-core process (a fresh interpreter, so no caller's __main__ is re-run), its input
-    socket, its output pipe and its heartbeat pipe. Construction blocks until the core is loaded and
-    warmed up, or raises with the reason it could not start."""
+    """One engine-core process (a fresh interpreter, so no caller's __main__ is re-run) and its channel:
+    an input pipe and an output pipe, which inherits nothing a killed frontend could leave behind.
+    Construction blocks until the core is loaded and warmed up, or raises with the reason it could not
+    start."""
 
     def __init__(
         self,
@@ -84,53 +68,55 @@ class CoreProcess:
     ) -> None:
         """`heartbeat_timeout`: seconds of silence, once the core has beaten, after which it is stuck."""
         self.heartbeat_timeout = heartbeat_timeout
-        remove_stale_socket_dirs()
-        self.dir: str | None = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
-        self.input_addr = f"ipc://{self.dir}/input"
-        self._input: zmq.asyncio.Socket | None = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(CoreOutput)
+        self._closed = False
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._calls = itertools.count()
-        out_r, out_w = open_output_pipe()
+        in_r, in_w = open_pipe()
+        out_r, out_w = open_pipe()
+        self._input = AsyncFrameWriter(in_w)
         self._outputs = FrameReader(out_r)
-        ready_r, ready_w = os.pipe()
-        self._heartbeat, beat_w = os.pipe()
-        os.set_blocking(self._heartbeat, False)
-        self.last_beat: float | None = None  # monotonic time of the last heartbeat heard
-        launch = CoreLaunch(args, list(eos_token_ids), warmup, self.input_addr, out_w, ready_w, beat_w, os.getpid())
+        self._beats_heard = 0
+        self.last_beat: float | None = None  # monotonic time the last heartbeat was noticed
+        launch = CoreLaunch(args, list(eos_token_ids), warmup, in_r, out_w, os.getpid())
         env = {**ALLOCATOR_ENV, **core_process_env(args), **xla_pool_env(args), **os.environ}  # the caller's win
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from serve.core.core_proc import main; main()"],
             stdin=subprocess.PIPE,
             env=env,
-            pass_fds=(out_w, ready_w, beat_w),
+            pass_fds=(in_r, out_w),
         )
-        for fd in (out_w, ready_w, beat_w):
+        for fd in (in_r, out_w):
             os.close(fd)
         assert self.proc.stdin is not None
-        self.proc.stdin.write(self._encoder.encode(launch))
+        self.proc.stdin.write(msgspec.msgpack.encode(launch))
         self.proc.stdin.close()
-        with os.fdopen(ready_r, "rb") as ready:
-            self.info = self._wait_ready(ready)
+        self.info = self._wait_ready()
 
-    def _wait_ready(self, ready) -> EngineCoreReady:
+    def _wait_ready(self) -> EngineCoreReady:
+        """The core's first frame past its heartbeats: READY, or STARTUP_ERROR (a ValueError here)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not select.select([ready], [], [], WATCH_INTERVAL_S)[0]:
+        while True:
+            try:
+                if self._outputs.wait(WATCH_INTERVAL_S):
+                    frames = self._outputs.take()
+                    break
+            except EOFError:
+                self.close()
+                raise RuntimeError(f"the engine core died while starting (exit code {self.proc.wait()})") from None
             trouble = self.trouble()
             if trouble is None and time.monotonic() > deadline:
                 trouble = f"the engine core did not start within {STARTUP_TIMEOUT_S:g} s"
             if trouble is not None:
                 self.close()
                 raise RuntimeError(f"{trouble} while starting")
-        data = ready.read()
-        if not data:
+        kind, payload = frames[0]
+        if kind is Kind.STARTUP_ERROR:
             self.close()
-            raise RuntimeError(f"the engine core died while starting (exit code {self.proc.wait()})")
-        msg = msgspec.msgpack.decode(data, type=EngineCoreReady | StartupError)
-        if isinstance(msg, StartupError):
+            raise ValueError(msgspec.msgpack.decode(payload, type=StartupError).message)
+        if kind is not Kind.READY or len(frames) > 1:
             self.close()
-            raise ValueError(msg.message)
-        return msg
+            raise RuntimeError(f"unexpected {kind.name} frame from the engine core while starting")
+        return msgspec.msgpack.decode(payload, type=EngineCoreReady)
 
     @property
     def alive(self) -> bool:
@@ -138,15 +124,15 @@ class CoreProcess:
 
     def trouble(self) -> str | None:
         """Why this core is lost (exited, or silent for heartbeat_timeout s after its first beat:
-        then it is killed), or None while it is fine. Reads the heartbeats that have arrived."""
+        then it is killed), or None while it is fine. Reads what has arrived, to hear its heartbeats."""
         if not self.alive:
             return f"the engine core process exited (code {self.proc.returncode})"
         now = time.monotonic()
-        try:
-            if os.read(self._heartbeat, 1 << 16):
-                self.last_beat = now
-        except BlockingIOError:
-            pass
+        if not self._outputs.closed:
+            self._outputs.pump()
+        if self._outputs.heartbeats != self._beats_heard:
+            self._beats_heard = self._outputs.heartbeats
+            self.last_beat = now
         if self.last_beat is not None and now - self.last_beat > self.heartbeat_timeout:
             self.kill()
             return (
@@ -162,30 +148,30 @@ class CoreProcess:
             await asyncio.sleep(WATCH_INTERVAL_S)
         return trouble
 
-    def _socket(self) -> zmq.asyncio.Socket:
-        """Created on first use, in the event loop that uses it."""
-        if self._input is None:
-            self._input = zmq.asyncio.Context.instance().socket(zmq.PUSH)
-            self._input.bind(self.input_addr)
-        return self._input
-
     async def send(self, msg: EngineCoreRequest | AbortRequests | UtilityCall) -> None:
         """Queue a message for the core; EngineDeadError if it is gone, or goes while this waits."""
         if not self.alive or self.closed:
             raise EngineDeadError("the engine core process is not running")
         try:
-            await self._socket().send(self._encoder.encode(msg))
+            await self._input.write(*encode(msg))
+        except BrokenPipeError:  # it closed its end: it is exiting
+            raise EngineDeadError("the engine core went away") from None
         except asyncio.CancelledError:
-            if self.closed:  # close() cancels what waits on its socket
+            if self.closed:  # close() cancels what waits on its pipe
                 raise EngineDeadError("the engine core went away") from None
             raise
 
     async def recv(self) -> EngineCoreOutputs:
         """The next message from the core (the watcher, not this, notices when it is gone)."""
-        msg = self._decoder.decode(await self._outputs.read())
-        if not isinstance(msg, EngineCoreOutputs):
-            raise RuntimeError(f"unexpected message from the engine core: {type(msg).__name__}")
-        return msg
+        try:
+            kind, payload = await self._outputs.read()
+        except TornFrameError as e:  # it died writing a frame: the watcher reports how it ended
+            print(f"engine core: {e}", file=sys.stderr)
+            await asyncio.Event().wait()  # never set: cancelled with its task
+            raise
+        if kind is not Kind.OUTPUTS:
+            raise RuntimeError(f"unexpected message from the engine core: {kind.name}")
+        return self._decoder.decode(payload)
 
     def new_call(self, method: str, args: list[Any]) -> UtilityCall:
         return UtilityCall(next(self._calls), method, args)
@@ -198,22 +184,18 @@ class CoreProcess:
 
     @property
     def closed(self) -> bool:
-        return self.dir is None
+        return self._closed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the core process (it holds no state worth saving), cancel what waits on its socket
-        and pipe, and remove them."""
+        """Stop the core process (it holds no state worth saving), cancel what waits on its pipes, and
+        close them."""
         if self.alive:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self._input is not None:
-            self._input.close(linger=0)
-            self._input = None
-        if self.dir is not None:
+        if not self._closed:
+            self._input.close()
             self._outputs.close()
-            os.close(self._heartbeat)
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
+            self._closed = True

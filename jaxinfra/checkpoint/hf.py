@@ -165,6 +165,10 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
     cfg = ModelConfig.from_hf(directory / "config.json")
+    archs = json.loads((directory / "config.json").read_text()).get("architectures") or []
+    classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if classifier:  # no LM head: its `score` head is read by serve.pooling, the decoder here
+        cfg = cfg.replace(tie_word_embeddings=True)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     reader = _TensorReader(directory)
@@ -185,6 +189,7 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
         if n not in expected
         and not n.endswith(IGNORED_SUFFIXES)
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+        and not (classifier and n == "score.weight")
     )
     if unexpected:
         raise ValueError(f"{directory}: unexpected tensor(s) for {cfg.model_type}: {unexpected[:8]}")

@@ -33,6 +33,7 @@ from serve.core.spec_decode import DraftSlots, EagleDrafts, NgramProposer, Specu
 from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, Matcher
 from serve.kv_transfer.worker import KVTransferWorker
+from serve.pooling.runner import PoolingRunner, build_pooler
 from serve.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 
@@ -82,6 +83,9 @@ class EngineCore:
             grammar=self.grammar,
         )
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
+        self.pooler = (
+            build_pooler(args, self.runner, layout.max_num_batched_tokens) if args.runner == "pooling" else None
+        )
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         self.expert_load = ExpertLoad(moe_layers, cfg.num_experts) if moe_layers else None
         self.requests = self.scheduler.requests  # the scheduler owns request state
@@ -274,6 +278,13 @@ class EngineCore:
         self._check_idle()  # before reading the checkpoint
         self.update_weights(load_engine_model(self.args, model_path))
 
+    def pool(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Pooling prompts (token ids) run between steps, outside the scheduler: pooled vectors or a
+        classifier's logits (PoolingRunner.run); no KV blocks are taken."""
+        if self.pooler is None:
+            raise ValueError("this model serves generation; pooling needs the server started with --runner pooling")
+        return self.pooler.run(prompts)
+
     def _check_idle(self) -> None:
         if self.requests or self.inflight:
             raise EngineBusy(f"update_weights needs an idle engine: {len(self.requests)} requests are in flight")
@@ -286,6 +297,7 @@ class EngineCore:
             "reset_prefix_cache": self.block_manager.reset_prefix_cache,
             "memory": lambda: memory_breakdown(self.runner.weights, self.runner.kv_cache),
             "update_weights_from_disk": self.update_weights_from_disk,
+            "pool": self.pool,
         }
         if method not in calls:
             raise ValueError(f"unknown utility call {method!r}")

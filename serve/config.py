@@ -13,9 +13,9 @@ from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
+from serve.core.pooling.config import CONVERTS, RUNNERS, PoolerConfig
 from serve.core.spec_decode.config import SpeculativeConfig
 from serve.kv_transfer.config import KV_ROLES, KVTransferConfig
-from serve.pooling.config import CONVERTS, RUNNERS, PoolerConfig
 
 DTYPES = ("auto", *MODEL_DTYPES)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's names)

@@ -86,9 +86,8 @@ def test_llm_score_equals_hf_cross_encoder(cross_encoder):
 
 @pytest.fixture(scope="module")
 def embed_server(embedder):
-    with running_server(
-        model=str(embedder), runner="pooling", pooler_config={"pooling_type": "MEAN"}, **SMALL
-    ) as (url, _):
+    mean = {"pooling_type": "MEAN"}
+    with running_server(model=str(embedder), runner="pooling", pooler_config=mean, **SMALL) as (url, _):
         yield url
 
 

@@ -25,6 +25,7 @@ from serve.core.kv_cache import BlockManager
 from serve.core.layout import resolve
 from serve.core.loop_stream import LoopTokenStream, streams_in_loop
 from serve.core.model_loading import load_engine_model
+from serve.core.pooling.runner import build_pooler
 from serve.core.request_state import CoreRequest
 from serve.core.runner import InFlight, ModelRunner
 from serve.core.scheduler import Scheduler
@@ -33,7 +34,6 @@ from serve.core.spec_decode import DraftSlots, EagleDrafts, NgramProposer, Specu
 from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, Matcher
 from serve.kv_transfer.worker import KVTransferWorker
-from serve.pooling.runner import PoolingRunner, build_pooler
 from serve.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 

@@ -11,13 +11,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from serve.config import EngineArgs
+from serve.core.pooling import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from serve.core.pooling.config import engine_pooling_spec
+from serve.core.pooling.scoring import pair_up, score_inputs, scores_from
+from serve.core.pooling.vectors import finish_embeddings
 from serve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, step_params
 from serve.engine.llm_engine import LLMEngine
 from serve.engine.prompt_inputs import Prompt, PromptLike, parse_prompts
-from serve.pooling import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
-from serve.pooling.config import engine_pooling_spec
-from serve.pooling.scoring import pair_up, score_inputs, scores_from
-from serve.pooling.vectors import finish_embeddings
 from serve.sampling_params import SamplingParams
 from serve.types import RequestOutput
 
@@ -117,7 +117,9 @@ class LLM:
         """Pooled outputs of token-id prompts from the engine core (LLM(..., runner="pooling"))."""
         return self.engine.core.utility("pool", [prompts])
 
-    def embed(self, prompts: PromptLike | Seq[PromptLike], dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self, prompts: PromptLike | Seq[PromptLike], dimensions: int | None = None
+    ) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: each prompt's embedding (pooled as the checkpoint or pooler_config says,
         cut to `dimensions` first when given, then normalized if the pooler normalizes)."""
         args = self.engine.core.args
@@ -140,9 +142,7 @@ class LLM:
         spec, _ = engine_pooling_spec(args.model, args.convert, args.pooler_config)
         inputs = score_inputs(tok, spec.task, pair_up(text_1, text_2))
         scores = scores_from(spec.task, self._pool(inputs))
-        return [
-            ScoringRequestOutput(f"score-{next(self._ids)}", p, ScoringOutput(s)) for p, s in zip(inputs, scores)
-        ]
+        return [ScoringRequestOutput(f"score-{next(self._ids)}", p, ScoringOutput(s)) for p, s in zip(inputs, scores)]
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

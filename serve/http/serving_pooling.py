@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter
 
+from serve.core.pooling.config import PoolingSpec, engine_pooling_spec
+from serve.core.pooling.scoring import pair_up, score_inputs, scores_from
+from serve.core.pooling.vectors import finish_embeddings, sigmoid
 from serve.engine.core_client import EngineDeadError
 from serve.http.errors import dead
 from serve.http.openai_protocol import OpenAIError
 from serve.http.pooling_protocol import EmbeddingRequest, PoolingInput, RerankRequest, ScoreRequest
 from serve.http.serving_base import OpenAIServing
-from serve.pooling.config import PoolingSpec, engine_pooling_spec
-from serve.pooling.scoring import pair_up, score_inputs, scores_from
-from serve.pooling.vectors import finish_embeddings, sigmoid
 
 
 class ServingPooling(OpenAIServing):
@@ -38,7 +38,9 @@ class ServingPooling(OpenAIServing):
     def spec(self) -> PoolingSpec | None:
         """The served task and pooler (None on a generate server)."""
         args = self.engine.args
-        return engine_pooling_spec(args.model, args.convert, args.pooler_config)[0] if args.runner == "pooling" else None
+        return (
+            engine_pooling_spec(args.model, args.convert, args.pooler_config)[0] if args.runner == "pooling" else None
+        )
 
     def _task(self, model: str | None, route: str, tasks: tuple[str, ...]) -> PoolingSpec:
         """The spec, after the model check; a 400 when this server cannot serve `route`."""
@@ -63,7 +65,9 @@ class ServingPooling(OpenAIServing):
                 raise OpenAIError(400, str(e), param="input") from e
             if len(ids) > limit:
                 raise OpenAIError(
-                    400, f"This model's maximum context length is {limit} tokens; an input has {len(ids)}", param="input"
+                    400,
+                    f"This model's maximum context length is {limit} tokens; an input has {len(ids)}",
+                    param="input",
                 )
             prompts.append(ids)
         return prompts
@@ -109,7 +113,9 @@ class ServingPooling(OpenAIServing):
 
     async def pooling(self, req: EmbeddingRequest) -> dict[str, Any]:
         vectors, tokens, _ = await self._embed(req, "/pooling")
-        data = [{"object": "pooling", "index": i, "data": _encode(v, req.encoding_format)} for i, v in enumerate(vectors)]
+        data = [
+            {"object": "pooling", "index": i, "data": _encode(v, req.encoding_format)} for i, v in enumerate(vectors)
+        ]
         return self._body("pool", data, tokens)
 
     async def _scores(self, model: str | None, route: str, text_1: Any, text_2: Any) -> tuple[list[float], int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfra.tokenizer import Tokenizer
-from serve.pooling.vectors import cosine, sigmoid
+from serve.core.pooling.vectors import cosine, sigmoid
 
 
 def pair_up(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:

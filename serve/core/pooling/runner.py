@@ -14,9 +14,9 @@ from safetensors import safe_open
 
 from pallas_kernels.metadata import DenseMetadata
 from serve.config import EngineArgs
+from serve.core.pooling.config import PoolingSpec, engine_pooling_spec
 from serve.core.runner import ModelRunner
 from serve.core.runner.device_step import DeviceStep
-from serve.pooling.config import PoolingSpec, engine_pooling_spec
 
 MIN_LENGTH = 16  # the shortest padded length a batch compiles for
 
@@ -41,7 +41,7 @@ def load_score_head(directory: Path) -> np.ndarray:
     """A *ForSequenceClassification checkpoint's `score.weight` [labels, hidden], float32."""
     for shard in sorted(directory.glob("*.safetensors")):
         with safe_open(str(shard), "np") as f:
-            if "score.weight" in f.keys():
+            if "score.weight" in f.keys():  # noqa: SIM118 - safetensors handles are not dicts
                 return np.asarray(f.get_tensor("score.weight"), np.float32)
     raise ValueError(f"{directory}: a sequence classifier without a score.weight tensor")
 

@@ -1,7 +1,7 @@
 """Pooling models (vLLM's `--runner pooling`): embeddings, cross-encoder scores and reranking."""
 
-from serve.pooling.config import PoolerConfig, PoolingSpec, pooling_spec
-from serve.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from serve.core.pooling.config import PoolerConfig, PoolingSpec, pooling_spec
+from serve.core.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
 
 __all__ = [
     "EmbeddingOutput",

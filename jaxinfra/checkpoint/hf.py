@@ -164,14 +164,21 @@ def _hf_name(path: tuple) -> str:
     return tensor_map(path).hf_name
 
 
+def is_sequence_classifier(directory: Path | None) -> bool:
+    """Whether a HF folder holds a *ForSequenceClassification checkpoint (a `score` head, no LM head)."""
+    if directory is None or not (directory / "config.json").is_file():
+        return False
+    archs = json.loads((directory / "config.json").read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
 def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: str | None = None) -> LlamaModel:
     """Build a LlamaModel from a local HF directory; every tensor is checked by name and shape."""
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
     cfg = ModelConfig.from_hf(directory / "config.json")
-    archs = json.loads((directory / "config.json").read_text()).get("architectures") or []
-    classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    classifier = is_sequence_classifier(directory)
     reader = _TensorReader(directory)
     if classifier or reader.bare:  # no LM head (pooling models): a classifier's `score` is read by serve.pooling
         cfg = cfg.replace(tie_word_embeddings=True)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxinfra.checkpoint.hf import is_sequence_classifier
 from jaxinfra.loading import model_dir
 
 RUNNERS = ("generate", "pooling")
@@ -65,16 +66,8 @@ def sentence_transformers_pooler(directory: Path) -> PoolerConfig | None:
     return PoolerConfig(mode, any(m.get("type", "").endswith("Normalize") for m in modules))
 
 
-def is_sequence_classifier(directory: Path | None) -> bool:
-    """Whether a HF folder holds a *ForSequenceClassification checkpoint (a `score` head, no LM head)."""
-    if directory is None or not (directory / "config.json").is_file():
-        return False
-    archs = json.loads((directory / "config.json").read_text()).get("architectures") or []
-    return any(a.endswith("ForSequenceClassification") for a in archs)
-
-
 def pooling_spec(directory: Path | None, convert: str, raw: dict[str, Any] | None) -> PoolingSpec:
-    """The task, pooler and labels for a model folder (None: a preset) under --convert and --pooler-config.
+    """The task and pooler for a model folder (None: a preset) under --convert and --pooler-config.
     convert auto: classify a *ForSequenceClassification checkpoint, else embed (vLLM's resolution)."""
     classifier = is_sequence_classifier(directory)
     task = ("classify" if classifier else "embed") if convert in ("auto", "none") else convert

@@ -15,7 +15,7 @@ from sentence_transformers import SentenceTransformer, models
 
 from serve import LLM
 from tests.pooling_helpers import make_cross_encoder, make_embedder
-from tests.server_helpers import MODEL_NAME, running_server
+from tests.server_helpers import MODEL_NAME, call, core_stats, running_server
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "pooling " * 40]
 QUERY, DOCS = "what is a fox", ["a fox is an animal", "paris is in france", "foxes eat mice and berries"]
@@ -47,6 +47,10 @@ def hf_scores(path, query: str, docs: list[str]) -> np.ndarray:
     tok = transformers.AutoTokenizer.from_pretrained(path)
     with torch.no_grad():
         return np.array([torch.sigmoid(model(**tok(query, d, return_tensors="pt")).logits).item() for d in docs])
+
+
+def hf_pair_ids(path, query: str, doc: str) -> list[int]:
+    return transformers.AutoTokenizer.from_pretrained(path)(query, doc)["input_ids"]
 
 
 @pytest.mark.parametrize("pooling", ["mean", "lasttoken", "cls"])
@@ -87,12 +91,13 @@ def test_llm_score_equals_hf_cross_encoder(cross_encoder):
 @pytest.fixture(scope="module")
 def embed_server(embedder):
     mean = {"pooling_type": "MEAN"}
-    with running_server(model=str(embedder), runner="pooling", pooler_config=mean, **SMALL) as (url, _):
-        yield url
+    with running_server(model=str(embedder), runner="pooling", pooler_config=mean, **SMALL) as (url, app):
+        yield url, app
 
 
 def test_openai_client_embeddings(embed_server, embedder):
-    client = openai.OpenAI(base_url=f"{embed_server}/v1", api_key="unused", max_retries=0)
+    url, app = embed_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     ref = st_embeddings(embedder, "mean", normalize=True)
     got = client.embeddings.create(model=MODEL_NAME, input=TEXTS)  # the client asks for base64
     assert [d.index for d in got.data] == [0, 1, 2, 3] and got.usage.prompt_tokens > len(TEXTS)
@@ -104,31 +109,39 @@ def test_openai_client_embeddings(embed_server, embedder):
     np.testing.assert_allclose([d.embedding for d in short], cut, atol=1e-5)
     ids = client.embeddings.create(model=MODEL_NAME, input=[[0, 76, 578, 83, 1173]], encoding_format="float")
     np.testing.assert_allclose(ids.data[0].embedding, floats.data[0].embedding, atol=1e-6)  # "hello world"'s ids
+    stats = core_stats(app)
+    assert stats.num_free_blocks == stats.num_blocks  # pooling keeps no KV blocks
+    call(app, "check_invariants")
+    refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 400 and "--runner pooling" in refused.json()["error"]["message"]
 
 
 def test_langchain_and_litellm_embeddings(embed_server, embedder):
+    url = embed_server[0]
     from langchain_openai import OpenAIEmbeddings
 
     ref = st_embeddings(embedder, "mean", normalize=True)
-    lc = OpenAIEmbeddings(
-        model=MODEL_NAME, base_url=f"{embed_server}/v1", api_key="unused", check_embedding_ctx_length=False
-    )
+    lc = OpenAIEmbeddings(model=MODEL_NAME, base_url=f"{url}/v1", api_key="unused", check_embedding_ctx_length=False)
     assert cosines(np.array(lc.embed_documents(TEXTS)), ref).min() >= 0.9999
     assert cosines(np.array([lc.embed_query(TEXTS[1])]), ref[1:2]).min() >= 0.9999
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # no fetch of the price list at import
     import litellm
 
-    out = litellm.embedding(model=f"openai/{MODEL_NAME}", api_base=f"{embed_server}/v1", api_key="unused", input=TEXTS)
+    out = litellm.embedding(model=f"openai/{MODEL_NAME}", api_base=f"{url}/v1", api_key="unused", input=TEXTS)
     assert cosines(np.array([d["embedding"] for d in out.data]), ref).min() >= 0.9999
 
 
 def test_pooling_score_and_rerank_by_cosine(embed_server, embedder):
+    url = embed_server[0]
     ref = st_embeddings(embedder, "mean", normalize=True)
-    pooled = httpx.post(f"{embed_server}/pooling", json={"input": TEXTS[:2], "encoding_format": "base64"}).json()
+    pooled = httpx.post(f"{url}/pooling", json={"input": TEXTS[:2], "encoding_format": "base64"}).json()
     vector = np.frombuffer(base64.b64decode(pooled["data"][1]["data"]), "<f4")
     np.testing.assert_allclose(vector, ref[1], atol=1e-5)
-    body = httpx.post(f"{embed_server}/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:3]}).json()
+    body = httpx.post(f"{url}/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:3]}).json()
     np.testing.assert_allclose([d["score"] for d in body["data"]], ref[1:3] @ ref[0], atol=1e-5)
+    ranked = httpx.post(f"{url}/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:]}).json()["results"]
+    assert [r["index"] for r in ranked] == list(np.argsort(-(ref[1:] @ ref[0])))
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked], np.sort(ref[1:] @ ref[0])[::-1], atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +160,7 @@ def test_pooling_score_and_rerank_by_cosine(embed_server, embedder):
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(embed_server, route, body, param):
-    r = httpx.post(f"{embed_server}{route}", json=body)
+    r = httpx.post(f"{embed_server[0]}{route}", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
 
@@ -165,6 +178,9 @@ def test_cross_encoder_server_scores_and_reranks(cross_encoder):
         assert [r["index"] for r in ranked] == list(np.argsort(-ref)[:2])
         assert ranked[0]["document"]["text"] == DOCS[ranked[0]["index"]]
         np.testing.assert_allclose([r["relevance_score"] for r in ranked], np.sort(ref)[::-1][:2], rtol=1e-4)
+        pairs = [hf_pair_ids(cross_encoder, QUERY, d) for d in DOCS]
+        probs = httpx.post(f"{url}/pooling", json={"input": pairs}, headers=auth).json()["data"]
+        np.testing.assert_allclose([d["data"][0] for d in probs], ref, rtol=1e-4, atol=1e-6)
         refused = httpx.post(f"{url}/v1/embeddings", json={"input": "hi"}, headers=auth)
         assert refused.status_code == 400 and "classify" in refused.json()["error"]["message"]
 

@@ -13,7 +13,7 @@ from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
-from serve.core.pooling.config import CONVERTS, RUNNERS, PoolerConfig
+from serve.core.pooling.config import CONVERTS, RUNNERS, PoolerConfig, engine_pooling_spec
 from serve.core.spec_decode.config import SpeculativeConfig
 from serve.kv_transfer.config import KV_ROLES, KVTransferConfig
 
@@ -166,6 +166,8 @@ class EngineArgs:
         if self.convert not in CONVERTS:
             raise bad("convert", f"must be one of {', '.join(CONVERTS)}")
         PoolerConfig.parse(self.pooler_config)
+        if self.runner == "pooling":
+            engine_pooling_spec(self.model, self.convert, self.pooler_config)  # e.g. classify without a score head
         if not is_int(self.seed):
             raise bad("seed", "must be an int")
         if (

@@ -13,7 +13,7 @@ import torch
 import transformers
 from sentence_transformers import SentenceTransformer, models
 
-from serve import LLM
+from serve import LLM, EngineArgs
 from tests.pooling_helpers import make_cross_encoder, make_embedder
 from tests.server_helpers import MODEL_NAME, call, core_stats, running_server
 
@@ -67,6 +67,17 @@ def test_llm_embed_equals_sentence_transformers(embedder, pooling):
         llm.embed(TEXTS, dimensions=65)
 
 
+def test_engine_args_name_the_bad_pooling_flag(embedder):
+    with pytest.raises(ValueError, match="EngineArgs.runner"):
+        EngineArgs(model=str(embedder), runner="embed")
+    with pytest.raises(ValueError, match="EngineArgs.convert"):
+        EngineArgs(model=str(embedder), runner="pooling", convert="classify")  # a causal LM has no score head
+    with pytest.raises(ValueError, match="pooling_type"):
+        EngineArgs(model=str(embedder), runner="pooling", pooler_config={"pooling_type": "MAX"})
+    with pytest.raises(ValueError, match="pooler_config takes"):
+        EngineArgs(model=str(embedder), runner="pooling", pooler_config={"softmax": True})
+
+
 def test_sentence_transformers_checkpoint(embedder, tmp_path):
     st = SentenceTransformer(
         modules=[models.Transformer(str(embedder)), models.Pooling(64, "mean"), models.Normalize()], device="cpu"
@@ -109,6 +120,8 @@ def test_openai_client_embeddings(embed_server, embedder):
     np.testing.assert_allclose([d.embedding for d in short], cut, atol=1e-5)
     ids = client.embeddings.create(model=MODEL_NAME, input=[[0, 76, 578, 83, 1173]], encoding_format="float")
     np.testing.assert_allclose(ids.data[0].embedding, floats.data[0].embedding, atol=1e-6)  # "hello world"'s ids
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="another", input="hi")
     stats = core_stats(app)
     assert stats.num_free_blocks == stats.num_blocks  # pooling keeps no KV blocks
     call(app, "check_invariants")

@@ -65,6 +65,8 @@ def test_llm_embed_equals_sentence_transformers(embedder, pooling):
     np.testing.assert_allclose(cut, ours[:, :16], rtol=1e-5, atol=1e-6)  # a Matryoshka cut, unnormalized
     with pytest.raises(ValueError, match="dimensions"):
         llm.embed(TEXTS, dimensions=65)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.embed([[5] * 129])
 
 
 def test_engine_args_name_the_bad_pooling_flag(embedder):

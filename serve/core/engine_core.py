@@ -83,9 +83,7 @@ class EngineCore:
             grammar=self.grammar,
         )
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
-        self.pooler = (
-            build_pooler(args, self.runner, layout.max_num_batched_tokens) if args.runner == "pooling" else None
-        )
+        self.pooler = build_pooler(args, self.runner, layout) if args.runner == "pooling" else None
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         self.expert_load = ExpertLoad(moe_layers, cfg.num_experts) if moe_layers else None
         self.requests = self.scheduler.requests  # the scheduler owns request state

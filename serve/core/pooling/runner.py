@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from pallas_kernels.metadata import DenseMetadata
 from serve.config import EngineArgs
+from serve.core.layout import CoreLayout
 from serve.core.pooling.config import PoolingSpec, engine_pooling_spec
 from serve.core.runner import ModelRunner
 from serve.core.runner.device_step import DeviceStep
@@ -56,12 +57,13 @@ class PoolingRunner:
         weights: Callable[[], list],
         spec: PoolingSpec,
         token_budget: int,
+        max_model_len: int,
         score: np.ndarray | None = None,
     ) -> None:
         if spec.task == "classify" and score is None:
             raise ValueError("the classify task needs a score head")
         self.device, self.weights, self.spec, self.score = device, weights, spec, score
-        self.token_budget = token_budget
+        self.token_budget, self.max_model_len = token_budget, max_model_len
         self._step = jax.jit(functools.partial(self._pool, pooling_type=spec.pooler.pooling_type))
 
     def _pool(self, weights: list, ids: jax.Array, lengths: jax.Array, pooling_type: str) -> jax.Array:
@@ -103,6 +105,8 @@ class PoolingRunner:
         Matryoshka cut) or the classifier's logits (classify)."""
         if any(not p for p in prompts):
             raise ValueError("a pooling prompt needs at least one token")
+        if longest := max((len(p) for p in prompts if len(p) > self.max_model_len), default=0):
+            raise ValueError(f"a pooling prompt of {longest} tokens passes max_model_len ({self.max_model_len})")
         pooled = self.pool(prompts)
         if self.spec.task == "classify":
             assert self.score is not None
@@ -110,9 +114,10 @@ class PoolingRunner:
         return pooled.tolist()
 
 
-def build_pooler(args: EngineArgs, runner: ModelRunner, token_budget: int) -> PoolingRunner:
+def build_pooler(args: EngineArgs, runner: ModelRunner, layout: CoreLayout) -> PoolingRunner:
     """The engine core's pooling runner for --runner pooling: the task and pooler from the checkpoint
     and --convert / --pooler-config, over the core's model runner's weights."""
     spec, directory = engine_pooling_spec(args.model, args.convert, args.pooler_config)
     score = load_score_head(directory) if spec.task == "classify" and directory is not None else None
-    return PoolingRunner(runner.device, lambda: runner.weights, spec, token_budget, score)
+    budget, longest = layout.max_num_batched_tokens, layout.max_model_len
+    return PoolingRunner(runner.device, lambda: runner.weights, spec, budget, longest, score)

@@ -13,6 +13,7 @@ from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
+from serve.core.pooling.config import CONVERTS, RUNNERS, PoolerConfig, engine_pooling_spec
 from serve.core.spec_decode.config import SpeculativeConfig
 from serve.kv_transfer.config import KV_ROLES, KVTransferConfig
 
@@ -122,6 +123,14 @@ class EngineArgs:
     shape that holds them meanwhile; off: every shape is compiled before the server answers."""
     compile_threads: int = 0
     """Threads that compile step shapes at warm-up (0: one per core, up to 8)."""
+    runner: str = "generate"
+    """generate | pooling (vLLM's): pooling serves /v1/embeddings, /pooling, /score and /rerank."""
+    convert: str = "auto"
+    """With runner pooling: auto | none (classify a *ForSequenceClassification checkpoint, else embed) |
+    embed | classify (needs the checkpoint's score head)."""
+    pooler_config: dict[str, Any] | None = None
+    """vLLM's pooler JSON, e.g. {"pooling_type": "MEAN", "normalize": true}: MEAN, LAST or CLS (default:
+    a sentence-transformers checkpoint's modules.json, else LAST, normalized)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -152,6 +161,13 @@ class EngineArgs:
         for name in ("prefill_tokens_per_decode", "cpu_reserved_cores", "compile_threads"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "must be an int >= 0")
+        if self.runner not in RUNNERS:
+            raise bad("runner", f"must be one of {', '.join(RUNNERS)}")
+        if self.convert not in CONVERTS:
+            raise bad("convert", f"must be one of {', '.join(CONVERTS)}")
+        PoolerConfig.parse(self.pooler_config)
+        if self.runner == "pooling":
+            engine_pooling_spec(self.model, self.convert, self.pooler_config)  # e.g. classify without a score head
         if not is_int(self.seed):
             raise bad("seed", "must be an int")
         if (

@@ -94,3 +94,10 @@ def test_collectives_benchmark_on_8_cpu_devices(tmp_path):
     ar = next(row for row in rows if row["op"] == "all_reduce")
     assert ar["busbw"] == ar["algbw"] * 2 * 7 / 8
     assert "collectives over 8 cpu device(s)" in r.stdout
+
+
+def test_embeddings_benchmark_quick(tmp_path):
+    r = _run_quick("embeddings", tmp_path)
+    result = json.loads((tmp_path / "embeddings.json").read_text())
+    assert result["min_cosine"] >= 0.9999 and result["ours_per_s"] > 0 and result["sentence_transformers_per_s"] > 0
+    assert "ratio" in r.stdout

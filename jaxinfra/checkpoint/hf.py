@@ -78,17 +78,22 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 class _TensorReader:
-    """Name -> lazily read numpy array across all safetensors files of a checkpoint (memory-mapped)."""
+    """Name -> lazily read numpy array across all safetensors files of a checkpoint (memory-mapped).
+    A bare decoder (LlamaModel, as sentence-transformers saves embedding models) is read under the
+    causal LM's names ("model." prefixed); `bare` says it has no LM head."""
 
     def __init__(self, directory: Path) -> None:
         self.handles = [safe_open(str(p), framework="numpy") for p in _safetensors_files(directory)]
-        self.where = {name: h for h in self.handles for name in h.keys()}  # noqa: SIM118 - safetensors handles are not dicts
+        stored = {name: h for h in self.handles for name in h.keys()}  # noqa: SIM118 - safetensors handles are not dicts
+        self.bare = "embed_tokens.weight" in stored
+        self.names = {("model." + n if self.bare else n): n for n in stored}
+        self.where = {name: stored[n] for name, n in self.names.items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.where[name].get_slice(name).get_shape())
+        return tuple(self.where[name].get_slice(self.names[name]).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        return self.where[name].get_tensor(name)
+        return self.where[name].get_tensor(self.names[name])
 
 
 def abstract_model(cfg: ModelConfig, attn_impl: str | None) -> tuple[nnx.GraphDef, nnx.State]:
@@ -100,15 +105,26 @@ def _hf_name(path: tuple) -> str:
     return tensor_map(path).hf_name
 
 
+def is_sequence_classifier(directory: Path | None) -> bool:
+    """Whether a HF folder holds a *ForSequenceClassification checkpoint (a `score` head, no LM head)."""
+    if directory is None or not (directory / "config.json").is_file():
+        return False
+    archs = json.loads((directory / "config.json").read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
 def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: str | None = None) -> LlamaModel:
     """Build a LlamaModel from a local HF directory; every tensor is checked by name and shape."""
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
     cfg = ModelConfig.from_hf(directory / "config.json")
+    classifier = is_sequence_classifier(directory)
+    reader = _TensorReader(directory)
+    if classifier or reader.bare:  # no LM head (pooling models): a classifier's `score` is read by serve.pooling
+        cfg = cfg.replace(tie_word_embeddings=True)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    reader = _TensorReader(directory)
     abstract = nnx.eval_shape(lambda: LlamaModel(cfg, nnx.Rngs(0), attn_impl))
     quantized: set[str] = set()
     qcfg = json.loads((directory / "config.json").read_text()).get("quantization_config")
@@ -126,6 +142,7 @@ def load_hf_model(directory: str | Path, dtype: str | None = None, attn_impl: st
         if n not in expected
         and not n.endswith(IGNORED_SUFFIXES)
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+        and not (classifier and n == "score.weight")
     )
     if unexpected:
         raise ValueError(f"{directory}: unexpected tensor(s) for {cfg.model_type}: {unexpected[:8]}")

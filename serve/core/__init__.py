@@ -13,4 +13,5 @@ sampler.py             the jitted sampler; structured_output.py the grammar mask
 step_data.py           SchedulerOutput and StepResult, a step as plain host data
 runner/                the model runner: inputs, device step, warm-up, weight sync
 spec_decode/           speculative decoding: n-gram, draft model and EAGLE proposers, verification
+pooling/               --runner pooling: embeddings and cross-encoder scores (pooler, runner, scoring)
 """

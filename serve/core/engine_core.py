@@ -23,6 +23,7 @@ from serve.core.kv_cache import BlockManager
 from serve.core.layout import resolve
 from serve.core.loop_stream import LoopTokenStream, streams_in_loop
 from serve.core.model_loading import load_engine_model
+from serve.core.pooling.runner import build_pooler
 from serve.core.request_state import CoreRequest
 from serve.core.runner import InFlight, ModelRunner
 from serve.core.scheduler import Scheduler
@@ -78,6 +79,7 @@ class EngineCore:
             grammar=self.grammar,
         )
         self.kv_transfer = KVTransferWorker(connector, self.runner, self.scheduler) if connector is not None else None
+        self.pooler = build_pooler(args, self.runner, layout) if args.runner == "pooling" else None
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         self.expert_load = ExpertLoad(moe_layers, cfg.num_experts) if moe_layers else None
         self.requests = self.scheduler.requests  # the scheduler owns request state
@@ -238,6 +240,13 @@ class EngineCore:
         self._check_idle()  # before reading the checkpoint
         self.update_weights(load_engine_model(self.args, model_path))
 
+    def pool(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Pooling prompts (token ids) run between steps, outside the scheduler: pooled vectors or a
+        classifier's logits (PoolingRunner.run); no KV blocks are taken."""
+        if self.pooler is None:
+            raise ValueError("this model serves generation; pooling needs the server started with --runner pooling")
+        return self.pooler.run(prompts)
+
     def _check_idle(self) -> None:
         if self.requests or self.inflight:
             raise EngineBusy(f"update_weights needs an idle engine: {len(self.requests)} requests are in flight")
@@ -250,6 +259,7 @@ class EngineCore:
             "reset_prefix_cache": self.block_manager.reset_prefix_cache,
             "memory": lambda: memory_breakdown(self.runner.weights, self.runner.kv_cache),
             "update_weights_from_disk": self.update_weights_from_disk,
+            "pool": self.pool,
         }
         if method not in calls:
             raise ValueError(f"unknown utility call {method!r}")

@@ -7,9 +7,14 @@ import itertools
 from collections.abc import Sequence as Seq
 from typing import Any, cast
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from serve.config import EngineArgs
+from serve.core.pooling import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from serve.core.pooling.config import engine_pooling_spec
+from serve.core.pooling.scoring import pair_up, score_inputs, scores_from
+from serve.core.pooling.vectors import finish_embeddings
 from serve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, step_params
 from serve.engine.llm_engine import LLMEngine
 from serve.engine.prompt_inputs import Prompt, PromptLike, parse_prompts
@@ -107,6 +112,37 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _pool(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Pooled outputs of token-id prompts from the engine core (LLM(..., runner="pooling"))."""
+        return self.engine.core.utility("pool", [prompts])
+
+    def embed(
+        self, prompts: PromptLike | Seq[PromptLike], dimensions: int | None = None
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's embedding (pooled as the checkpoint or pooler_config says,
+        cut to `dimensions` first when given, then normalized if the pooler normalizes)."""
+        args = self.engine.core.args
+        spec, _ = engine_pooling_spec(args.model, args.convert, args.pooler_config)
+        if spec.task != "embed":
+            raise ValueError(f"LLM.embed needs an embedding model; this one is served for {spec.task}")
+        ids = [self.engine.input_processor.tokenize(i.prompt) for i in parse_prompts(prompts)]
+        vectors = finish_embeddings(np.asarray(self._pool(ids), np.float32), spec.pooler.normalize, dimensions)
+        return [
+            EmbeddingRequestOutput(f"embed-{next(self._ids)}", p, EmbeddingOutput(v.tolist()))
+            for p, v in zip(ids, vectors)
+        ]
+
+    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one text_1 against each text_2 (or pairwise), by the cross-encoder head
+        of a classify model or the cosine of an embedding model's embeddings."""
+        args, tok = self.engine.core.args, self.engine.tokenizer
+        if tok is None:
+            raise ValueError("LLM.score needs a tokenizer")
+        spec, _ = engine_pooling_spec(args.model, args.convert, args.pooler_config)
+        inputs = score_inputs(tok, spec.task, pair_up(text_1, text_2))
+        scores = scores_from(spec.task, self._pool(inputs))
+        return [ScoringRequestOutput(f"score-{next(self._ids)}", p, ScoringOutput(s)) for p, s in zip(inputs, scores)]
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

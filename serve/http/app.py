@@ -23,6 +23,7 @@ from serve.http.serving_base import OpenAIServing
 from serve.http.serving_chat import ServingChat
 from serve.http.serving_completion import ServingCompletion
 from serve.http.serving_models import ServingModels
+from serve.http.serving_pooling import ServingPooling
 from serve.http.serving_responses import ServingResponses
 from serve.http.serving_status import ServingStatus
 from serve.http.serving_tokenization import ServingTokenization
@@ -38,6 +39,7 @@ SERVING_CLASSES: tuple[type[OpenAIServing], ...] = (
     ServingResponses,
     ServingStatus,
     ServingWeights,
+    ServingPooling,
 )
 
 

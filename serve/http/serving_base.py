@@ -84,6 +84,8 @@ class GenerationServing(OpenAIServing):
 
     def check_request(self, req: _Common) -> None:
         self.check_model(req.model)
+        if self.engine.args.runner == "pooling":  # as vLLM: a pooling model does not generate
+            raise OpenAIError(400, "this server runs --runner pooling: it serves embeddings, score and rerank")
         req.check_supported()
         if req.priority != 0 and self.engine.args.scheduling_policy != "priority":
             raise OpenAIError(

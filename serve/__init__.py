@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from serve.config import EngineArgs
     from serve.engine.llm import LLM
     from serve.engine.llm_engine import LLMEngine
+    from serve.lora_request import LoRARequest
     from serve.sampling_params import SamplingParams
     from serve.types import CompletionOutput, RequestOutput
 
@@ -19,11 +20,12 @@ _HOMES = {
     "EngineArgs": "serve.config",
     "LLMEngine": "serve.engine.llm_engine",
     "LLM": "serve.engine.llm",
+    "LoRARequest": "serve.lora_request",
     "CompletionOutput": "serve.types",
     "RequestOutput": "serve.types",
     "SamplingParams": "serve.sampling_params",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

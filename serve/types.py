@@ -13,6 +13,7 @@ from serve.config import EngineArgs
 from serve.core.expert_load import ExpertLoadStats
 from serve.core.spec_decode.stats import SpecDecodingStats
 from serve.kv_transfer.stats import KVTransferStats
+from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
     kv_transfer_params: dict[str, Any] | None = None  # disaggregation: what the KV connector reads (vLLM's)
     tenant: str = ""  # with the fair policy: whose share of the engine the request draws on
     weight: float = 1.0  # the tenant's weight in that share
+    lora_request: LoRARequest | None = None  # the adapter it runs with (multi-LoRA), None: the base model
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

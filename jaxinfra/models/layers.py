@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
 from jaxinfra.models.moe import MoE, RouterStats
+from jaxinfra.models.multi_lora import MultiLora, maybe_add
 from jaxinfra.models.options import ForwardOptions
 from jaxinfra.models.params import normal_param, zeros_param
 from jaxinfra.models.rope import apply_rope, attention_factor, rope_frequencies
@@ -68,12 +69,18 @@ class Attention(nnx.Module):
     v_proj: Weight
     o_proj: Weight
 
-    def _qkv(self, x: Float[Array, "B T E"], fused: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Q, K, V projections; `fused` into one matmul over [E, KV heads, group + 2, D] (Megatron's
-        layout, sharded over KV heads), so tensor parallelism reduces the input gradient once, not three times."""
+    def _qkv(
+        self, x: Float[Array, "B T E"], fused: bool, lora: MultiLora | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Q, K, V projections (with `lora`'s deltas); `fused` into one matmul over [E, KV heads, group + 2, D]
+        (Megatron's layout, sharded over KV heads), so tensor parallelism reduces the input gradient once,
+        not three times."""
         wq, wk, wv = self.q_proj, self.k_proj, self.v_proj
-        if not (fused and isinstance(wq, nnx.Param) and isinstance(wk, nnx.Param) and isinstance(wv, nnx.Param)):
-            return linear("bte,ehd->bthd", x, wq), linear("bte,ehd->bthd", x, wk), linear("bte,ehd->bthd", x, wv)
+        if lora is not None or not (
+            fused and isinstance(wq, nnx.Param) and isinstance(wk, nnx.Param) and isinstance(wv, nnx.Param)
+        ):
+            q, k, v = (linear("bte,ehd->bthd", x, w) for w in (wq, wk, wv))
+            return maybe_add(lora, "q_proj", x, q), maybe_add(lora, "k_proj", x, k), maybe_add(lora, "v_proj", x, v)
         kh, group = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
         q = wq[...].reshape(x.shape[-1], kh, group, -1)
         w = jnp.concatenate([q, wk[...][:, :, None], wv[...][:, :, None]], axis=2)
@@ -88,9 +95,10 @@ class Attention(nnx.Module):
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
         options: ForwardOptions = ForwardOptions(),
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
         """Per-head attention output, before the output projection (what o_proj sees)."""
-        q, k, v = self._qkv(x, options.fused_projections)
+        q, k, v = self._qkv(x, options.fused_projections, lora)
         if self.cfg.qkv_bias:
             q, k, v = add_bias(q, self.q_bias[...]), add_bias(k, self.k_bias[...]), add_bias(v, self.v_bias[...])
         if self.cfg.qk_norm:
@@ -119,13 +127,14 @@ class Attention(nnx.Module):
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
         options: ForwardOptions = ForwardOptions(),
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
-        out, cache = self.heads(x, positions, metadata, cache, options)
-        return self.project(out), cache
+        out, cache = self.heads(x, positions, metadata, cache, options, lora)
+        return self.project(out, lora), cache
 
-    def project(self, out: Float[Array, "B T H D"]) -> Float[Array, "B T E"]:
-        """The output projection (and its bias) of per-head attention outputs."""
-        y = linear("bthd,hde->bte", out, self.o_proj)
+    def project(self, out: Float[Array, "B T H D"], lora: MultiLora | None = None) -> Float[Array, "B T E"]:
+        """The output projection (with `lora`'s delta, and its bias) of per-head attention outputs."""
+        y = maybe_add(lora, "o_proj", out, linear("bthd,hde->bte", out, self.o_proj))
         return add_bias(y, self.o_bias[...]) if self.cfg.o_bias else y
 
 
@@ -142,9 +151,15 @@ class MLP(nnx.Module):
     up_proj: Weight
     down_proj: Weight
 
-    def hidden(self, x: Float[Array, "B T E"], fused: bool = False) -> Float[Array, "B T M"]:
-        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul when `fused`)."""
-        if fused and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
+    def hidden(
+        self, x: Float[Array, "B T E"], fused: bool = False, lora: MultiLora | None = None
+    ) -> Float[Array, "B T M"]:
+        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul when `fused` and
+        without adapters; `lora`: with each token's adapter deltas)."""
+        if lora is not None:
+            gate = lora.add("gate_proj", x, linear("bte,em->btm", x, self.gate_proj))
+            up = lora.add("up_proj", x, linear("bte,em->btm", x, self.up_proj))
+        elif fused and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
             w = jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=1)
             out = weight_einsum("bte,ecm->btcm", x, w, names=("embed", None, "mlp"))
             gate, up = out[:, :, 0], out[:, :, 1]
@@ -152,8 +167,11 @@ class MLP(nnx.Module):
             gate, up = linear("bte,em->btm", x, self.gate_proj), linear("bte,em->btm", x, self.up_proj)
         return constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
 
-    def __call__(self, x: Float[Array, "B T E"], fused: bool = False) -> Float[Array, "B T E"]:
-        return linear("btm,me->bte", self.hidden(x, fused), self.down_proj)
+    def __call__(
+        self, x: Float[Array, "B T E"], fused: bool = False, lora: MultiLora | None = None
+    ) -> Float[Array, "B T E"]:
+        h = self.hidden(x, fused, lora)
+        return maybe_add(lora, "down_proj", h, linear("btm,me->bte", h, self.down_proj))
 
 
 class DecoderLayer(nnx.Module):
@@ -173,16 +191,18 @@ class DecoderLayer(nnx.Module):
         cache: KVCache | PagedKVCache | None,
         options: ForwardOptions = ForwardOptions(),
         valid: Bool[Array, "B T"] | None = None,
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None, RouterStats | None]:
         """The layer's output, its updated cache, and its router's stats (MoE layers, when
-        options.router_stats; counting the `valid` tokens, all when None)."""
-        h, cache = self.attn(self.input_norm(x), positions, metadata, cache, options)
+        options.router_stats; counting the `valid` tokens, all when None). `lora`: this layer's adapter
+        pools and each token's slot (dense MLPs only: a mixture of experts takes none)."""
+        h, cache = self.attn(self.input_norm(x), positions, metadata, cache, options, lora)
         x = x + h
         stats = None
         if isinstance(self.mlp, MoE):
             h, stats = self.mlp(self.post_attn_norm(x), options, valid)
         else:
-            h = self.mlp(self.post_attn_norm(x), options.fused_projections)
+            h = self.mlp(self.post_attn_norm(x), options.fused_projections, lora)
         return constrain(x + h, ("batch", "length", "embed")), cache, stats
 
 

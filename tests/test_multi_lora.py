@@ -4,8 +4,6 @@ model gives, greedily, each adapter's output merged into the weights; fewer slot
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,7 +98,7 @@ def test_prefix_cache_keys_include_the_adapter(adapters):
     )
     assert same.num_cached_tokens >= 32 and other.num_cached_tokens == 0 and base.num_cached_tokens == 0
     # a bad adapter is refused by name, and nothing of the call stays queued
-    too_big = dataclasses.replace(requests[0], lora_int_id=99)
+    too_big = LoRARequest(requests[0].lora_name, 99, requests[0].lora_path)
     llm.engine.core.runner.lora.max_rank = 4
     with pytest.raises(ValueError, match="'adapter-0' has rank 8, above the engine's max_lora_rank"):
         llm.generate([prompt, prompt], GREEDY, use_tqdm=False, lora_request=[requests[1], too_big])

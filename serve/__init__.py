@@ -12,15 +12,14 @@ if TYPE_CHECKING:
     from serve.config import EngineArgs
     from serve.engine.llm import LLM
     from serve.engine.llm_engine import LLMEngine
-    from serve.lora_request import LoRARequest
     from serve.sampling_params import SamplingParams
-    from serve.types import CompletionOutput, RequestOutput
+    from serve.types import CompletionOutput, LoRARequest, RequestOutput
 
 _HOMES = {
     "EngineArgs": "serve.config",
     "LLMEngine": "serve.engine.llm_engine",
     "LLM": "serve.engine.llm",
-    "LoRARequest": "serve.lora_request",
+    "LoRARequest": "serve.types",
     "CompletionOutput": "serve.types",
     "RequestOutput": "serve.types",
     "SamplingParams": "serve.sampling_params",

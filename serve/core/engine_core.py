@@ -31,8 +31,7 @@ from serve.core.spec_decode.proposer import PROPOSERS
 from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, Matcher
 from serve.kv_transfer.worker import KVTransferWorker
-from serve.lora_request import LoRARequest
-from serve.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from serve.types import EngineCoreOutput, EngineCoreRequest, LoRARequest, SchedulerStats
 
 
 class EngineBusy(ValueError):

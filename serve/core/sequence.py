@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serve.lora_request import LoRARequest
 from serve.sampling_params import INT32_MAX, SamplingParams
+
+if TYPE_CHECKING:  # serve.types imports the core's stats types
+    from serve.types import LoRARequest
 
 _counter = itertools.count()
 

@@ -10,9 +10,8 @@ import numpy as np
 from jaxinfra.tokenizer import Tokenizer
 from serve.core.scheduling_policy import check_weight
 from serve.core.structured_output import GrammarCompiler
-from serve.lora_request import LoRARequest
 from serve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from serve.types import EngineCoreRequest
+from serve.types import EngineCoreRequest, LoRARequest
 
 Prompt = str | list[int]
 

@@ -13,9 +13,8 @@ from serve.config import EngineArgs
 from serve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, step_params
 from serve.engine.llm_engine import LLMEngine
 from serve.engine.prompt_inputs import Prompt, PromptLike, parse_prompts
-from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams
-from serve.types import RequestOutput
+from serve.types import LoRARequest, RequestOutput
 
 
 class LLM:

@@ -11,9 +11,8 @@ from serve.core.engine_core import EngineCore
 from serve.core.model_loading import enable_compilation_cache, load_engine_model
 from serve.engine.input_processor import InputProcessor, Prompt
 from serve.engine.output_processor import OutputProcessor
-from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams
-from serve.types import RequestOutput, SchedulerStats
+from serve.types import LoRARequest, RequestOutput, SchedulerStats
 
 
 class LLMEngine:

@@ -13,7 +13,7 @@ from jaxinfra.checkpoint.hf import tensor_map
 from jaxinfra.config import ModelConfig
 from jaxinfra.lora.config import ATTENTION_MODULES
 from jaxinfra.lora.peft import WEIGHTS_FILE, peft_config
-from serve.lora_request import LoRARequest
+from serve.types import LoRARequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,8 @@ def read_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> HostA
         names = set(f.keys())
         for module in lora.target_modules:
             n_in, n_out = shapes[module]
-            layers_a, layers_b = [], []
+            layers_a: list[np.ndarray] = []
+            layers_b: list[np.ndarray] = []
             for layer in range(cfg.num_layers):
                 prefix = _hf_prefix(cfg, layer, module)
                 for tensor, shape, out in (

@@ -13,7 +13,7 @@ from jaxinfra.config import ModelConfig
 from jaxinfra.models.multi_lora import LoraPools, empty_pools
 from serve.core.lora.adapter_files import HostAdapter, module_shapes, read_adapter
 from serve.core.sequence import Sequence
-from serve.lora_request import LoRARequest
+from serve.types import LoRARequest
 
 
 @jax.jit

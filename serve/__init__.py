@@ -13,17 +13,18 @@ if TYPE_CHECKING:
     from serve.engine.llm import LLM
     from serve.engine.llm_engine import LLMEngine
     from serve.sampling_params import SamplingParams
-    from serve.types import CompletionOutput, RequestOutput
+    from serve.types import CompletionOutput, LoRARequest, RequestOutput
 
 _HOMES = {
     "EngineArgs": "serve.config",
     "LLMEngine": "serve.engine.llm_engine",
     "LLM": "serve.engine.llm",
+    "LoRARequest": "serve.types",
     "CompletionOutput": "serve.types",
     "RequestOutput": "serve.types",
     "SamplingParams": "serve.sampling_params",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

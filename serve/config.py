@@ -131,6 +131,15 @@ class EngineArgs:
     pooler_config: dict[str, Any] | None = None
     """vLLM's pooler JSON, e.g. {"pooling_type": "MEAN", "normalize": true}: MEAN, LAST or CLS (default:
     a sentence-transformers checkpoint's modules.json, else LAST, normalized)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters: a request's LoRARequest (HTTP: its `model`) picks one, rows of different
+    adapters running in one step."""
+    max_loras: int = 1
+    """With enable_lora: adapters on the device at once (slots; sequences of more wait for one)."""
+    max_lora_rank: int = 16
+    """With enable_lora: the largest adapter rank (the slots' size; an adapter of a larger rank is refused)."""
+    max_cpu_loras: int | None = None
+    """With enable_lora: adapters kept in host memory, least recently used dropped (default: max_loras)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -151,11 +160,24 @@ class EngineArgs:
             raise bad("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.attn_impl is not None and self.attn_impl not in PAGED_IMPLS:
             raise bad("attn_impl", f"must be one of {', '.join(PAGED_IMPLS)} or None")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "num_gpu_blocks_override",
+            "kv_cache_memory",
+            "max_cpu_loras",
+        ):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise bad(name, "must be a positive int or None")
-        for name in ("max_num_seqs", "tensor_parallel_size", "expert_parallel_size", "num_scheduler_steps"):
+        for name in (
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "expert_parallel_size",
+            "num_scheduler_steps",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive int")
         for name in ("prefill_tokens_per_decode", "cpu_reserved_cores", "compile_threads"):
@@ -182,6 +204,7 @@ class EngineArgs:
             "async_scheduling",
             "enable_expert_parallel",
             "background_compile",
+            "enable_lora",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
@@ -190,6 +213,12 @@ class EngineArgs:
             raise bad("expert_parallel_size", f"must be 1 or tensor_parallel_size ({tp}) with enable_expert_parallel")
         if self.expert_parallel_size > 1 and self.expert_parallel_size % tp:
             raise bad("expert_parallel_size", f"must be a multiple of tensor_parallel_size ({tp})")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise bad("max_cpu_loras", f"must be >= max_loras ({self.max_loras}) or None")
+        if self.enable_lora and self.speculative_config is not None:
+            raise bad("speculative_config", "cannot be combined with enable_lora (not supported yet)")
+        if self.enable_lora and tp > 1:
+            raise bad("tensor_parallel_size", "must be 1 with enable_lora (adapter slots are not sharded yet)")
         if self.speculative_config is not None:
             self.speculative()
         self.kv_transfer()

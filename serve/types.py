@@ -16,6 +16,24 @@ from serve.kv_transfer.stats import KVTransferStats
 from serve.sampling_params import SamplingParams
 
 
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True):
+    """The adapter a request runs with: `lora_name` (what clients call it), `lora_int_id` (> 0, unique
+    per loaded adapter: the engine keys its adapter slots and prefix-cache blocks by it) and
+    `lora_path` (a PEFT adapter folder: adapter_config.json, adapter_model.safetensors)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not self.lora_name:
+            raise ValueError("LoRARequest.lora_name must be a non-empty string")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest.lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not self.lora_path:
+            raise ValueError("LoRARequest.lora_path must be a non-empty string")
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
     """A request, already tokenized and validated by the frontend."""
 
@@ -29,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True):
     kv_transfer_params: dict[str, Any] | None = None  # disaggregation: what the KV connector reads (vLLM's)
     tenant: str = ""  # with the fair policy: whose share of the engine the request draws on
     weight: float = 1.0  # the tenant's weight in that share
+    lora_request: LoRARequest | None = None  # the adapter it runs with (multi-LoRA), None: the base model
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

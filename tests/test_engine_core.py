@@ -155,7 +155,7 @@ def test_prefix_keys_are_sha256_and_salted():
 
 def test_colliding_keys_never_share_blocks(monkeypatch):
     """With every key equal, a hit must still match the block's tokens, salt and parent."""
-    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens, salt: b"same")
+    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens, salt, adapter=0: b"same")
     bm = BlockManager(32, 4)
     a = _computed(bm, _seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     for tokens, salt, hit in [
@@ -175,7 +175,7 @@ def test_colliding_keys_never_share_blocks(monkeypatch):
 def test_a_hit_needs_the_same_parent(monkeypatch):
     """Keys that ignore the parent (a collision on every block after the first): a block is still
     only shared after the very block its KV was computed behind."""
-    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens, salt: bytes(tokens))
+    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, tokens, salt, adapter=0: bytes(tokens))
     bm = BlockManager(32, 2)
     a = _computed(bm, _seq([1, 2, 3, 4, 9]))
     y = _computed(bm, _seq([5, 6, 3, 4, 9]))  # its [3, 4] block is not keyed: the key is taken

@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxinfra.config import ModelConfig
 from jaxinfra.models.mixed_precision import add_bias, scale, weight_einsum
 from jaxinfra.models.moe import MoE, RouterStats
+from jaxinfra.models.multi_lora import MultiLora, maybe_add
 from jaxinfra.models.options import ForwardOptions
 from jaxinfra.models.params import normal_param, zeros_param
 from jaxinfra.models.rope import apply_rope, attention_factor, rope_frequencies
@@ -68,18 +69,21 @@ class Attention(nnx.Module):
     v_proj: Weight
     o_proj: Weight
 
-    def _qkv(self, x: Float[Array, "B T E"], options: ForwardOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Q, K, V projections; `fused` into one matmul over [E, KV heads, group + 2, D] (Megatron's
-        layout, sharded over KV heads), so tensor parallelism reduces the input gradient once, not three times."""
+    def _qkv(
+        self, x: Float[Array, "B T E"], options: ForwardOptions, lora: MultiLora | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Q, K, V projections (with `lora`'s deltas); `fused` into one matmul over [E, KV heads, group + 2, D]
+        (Megatron's layout, sharded over KV heads), so tensor parallelism reduces the input gradient once,
+        not three times."""
         wq, wk, wv, key = self.q_proj, self.k_proj, self.v_proj, options.dropout_key
-        if not (
+        if lora is not None or not (
             options.fused_projections
             and isinstance(wq, nnx.Param)
             and isinstance(wk, nnx.Param)
             and isinstance(wv, nnx.Param)
         ):
-            spec = "bte,ehd->bthd"
-            return linear(spec, x, wq, key), linear(spec, x, wk, key), linear(spec, x, wv, key)
+            q, k, v = (linear("bte,ehd->bthd", x, w, key) for w in (wq, wk, wv))
+            return maybe_add(lora, "q_proj", x, q), maybe_add(lora, "k_proj", x, k), maybe_add(lora, "v_proj", x, v)
         kh, group = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
         q = wq[...].reshape(x.shape[-1], kh, group, -1)
         w = jnp.concatenate([q, wk[...][:, :, None], wv[...][:, :, None]], axis=2)
@@ -94,9 +98,10 @@ class Attention(nnx.Module):
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
         options: ForwardOptions = ForwardOptions(),
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache | None]:
         """Per-head attention output, before the output projection (what o_proj sees)."""
-        q, k, v = self._qkv(x, options)
+        q, k, v = self._qkv(x, options, lora)
         if self.cfg.qkv_bias:
             q, k, v = add_bias(q, self.q_bias[...]), add_bias(k, self.k_bias[...]), add_bias(v, self.v_bias[...])
         if self.cfg.qk_norm:
@@ -125,13 +130,17 @@ class Attention(nnx.Module):
         metadata: AttentionMetadata,
         cache: KVCache | PagedKVCache | None,
         options: ForwardOptions = ForwardOptions(),
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None]:
-        out, cache = self.heads(x, positions, metadata, cache, options)
-        return self.project(out, options.dropout_key), cache
+        out, cache = self.heads(x, positions, metadata, cache, options, lora)
+        return self.project(out, options.dropout_key, lora), cache
 
-    def project(self, out: Float[Array, "B T H D"], key: jax.Array | None = None) -> Float[Array, "B T E"]:
-        """The output projection (and its bias) of per-head attention outputs (`key`: LoRA dropout's)."""
-        y = linear("bthd,hde->bte", out, self.o_proj, key)
+    def project(
+        self, out: Float[Array, "B T H D"], key: jax.Array | None = None, lora: MultiLora | None = None
+    ) -> Float[Array, "B T E"]:
+        """The output projection (with `lora`'s delta, and its bias) of per-head attention outputs (`key`:
+        LoRA dropout's)."""
+        y = maybe_add(lora, "o_proj", out, linear("bthd,hde->bte", out, self.o_proj, key))
         return add_bias(y, self.o_bias[...]) if self.cfg.o_bias else y
 
 
@@ -148,19 +157,25 @@ class MLP(nnx.Module):
     up_proj: Weight
     down_proj: Weight
 
-    def hidden(self, x: Float[Array, "B T E"], options: ForwardOptions = ForwardOptions()) -> Float[Array, "B T M"]:
-        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul with fused_projections)."""
-        if options.fused_projections and isinstance(self.gate_proj, nnx.Param) and isinstance(self.up_proj, nnx.Param):
-            w = jnp.stack([self.gate_proj[...], self.up_proj[...]], axis=1)
-            out = weight_einsum("bte,ecm->btcm", x, w, names=("embed", None, "mlp"))
+    def hidden(
+        self, x: Float[Array, "B T E"], options: ForwardOptions = ForwardOptions(), lora: MultiLora | None = None
+    ) -> Float[Array, "B T M"]:
+        """silu(gate(x)) * up(x): what down_proj sees (gate and up as one matmul with fused_projections and
+        without adapters; `lora`: with each token's adapter deltas)."""
+        wg, wu, key = self.gate_proj, self.up_proj, options.dropout_key
+        if lora is None and options.fused_projections and isinstance(wg, nnx.Param) and isinstance(wu, nnx.Param):
+            out = weight_einsum("bte,ecm->btcm", x, jnp.stack([wg[...], wu[...]], axis=1), names=("embed", None, "mlp"))
             gate, up = out[:, :, 0], out[:, :, 1]
         else:
-            key = options.dropout_key
-            gate, up = linear("bte,em->btm", x, self.gate_proj, key), linear("bte,em->btm", x, self.up_proj, key)
+            gate, up = linear("bte,em->btm", x, wg, key), linear("bte,em->btm", x, wu, key)
+            gate, up = maybe_add(lora, "gate_proj", x, gate), maybe_add(lora, "up_proj", x, up)
         return constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
 
-    def __call__(self, x: Float[Array, "B T E"], options: ForwardOptions = ForwardOptions()) -> Float[Array, "B T E"]:
-        return linear("btm,me->bte", self.hidden(x, options), self.down_proj, options.dropout_key)
+    def __call__(
+        self, x: Float[Array, "B T E"], options: ForwardOptions = ForwardOptions(), lora: MultiLora | None = None
+    ) -> Float[Array, "B T E"]:
+        h = self.hidden(x, options, lora)
+        return maybe_add(lora, "down_proj", h, linear("btm,me->bte", h, self.down_proj, options.dropout_key))
 
 
 class DecoderLayer(nnx.Module):
@@ -180,16 +195,18 @@ class DecoderLayer(nnx.Module):
         cache: KVCache | PagedKVCache | None,
         options: ForwardOptions = ForwardOptions(),
         valid: Bool[Array, "B T"] | None = None,
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T E"], KVCache | PagedKVCache | None, RouterStats | None]:
         """The layer's output, its updated cache, and its router's stats (MoE layers, when
-        options.router_stats; counting the `valid` tokens, all when None)."""
-        h, cache = self.attn(self.input_norm(x), positions, metadata, cache, options)
+        options.router_stats; counting the `valid` tokens, all when None). `lora`: this layer's adapter
+        pools and each token's slot (dense MLPs only: a mixture of experts takes none)."""
+        h, cache = self.attn(self.input_norm(x), positions, metadata, cache, options, lora)
         x = x + h
         stats = None
         if isinstance(self.mlp, MoE):
             h, stats = self.mlp(self.post_attn_norm(x), options, valid)
         else:
-            h = self.mlp(self.post_attn_norm(x), options)
+            h = self.mlp(self.post_attn_norm(x), options, lora)
         return constrain(x + h, ("batch", "length", "embed")), cache, stats
 
 

@@ -17,6 +17,7 @@ from jaxinfra.models.families import family
 from jaxinfra.models.layers import DecoderLayer, RMSNorm
 from jaxinfra.models.mixed_precision import weight_einsum
 from jaxinfra.models.moe import RouterStats, summarize
+from jaxinfra.models.multi_lora import MultiLora
 from jaxinfra.models.options import REMAT_POLICIES, ForwardOptions
 from jaxinfra.models.params import normal_param
 from pallas_kernels import AttentionMetadata, DenseMetadata, KVCache, PagedKVCache, PagedMetadata
@@ -139,30 +140,34 @@ class LlamaModel(nnx.Module):
         layer_stack: LayerStack | None = None,
         options: ForwardOptions = ForwardOptions(),
         valid: Bool[Array, "B T"] | None = None,
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T E"], list | PagedKVCache | None, RouterStats | None]:
         """Final-norm hidden states (before the LM head), the updated per-layer caches (or the one paged
         pool of every layer, see run_paged_layers), and with options.router_stats the MoE router's
         statistics over the `valid` tokens (all when None). `layer_stack`: run the layers from these
-        stacked parameters instead of self.layers (scanned)."""
+        stacked parameters instead of self.layers (scanned). `lora`: each token's adapter (multi-LoRA)."""
         x = self.embed_tokens(input_ids, options.compute_dtype)
         if isinstance(caches, PagedKVCache):
             if not isinstance(metadata, PagedMetadata):
                 raise ValueError("a stacked paged KV pool needs PagedMetadata")
-            x, pool, stats = self.run_paged_layers(x, positions, metadata, caches, layer_stack, options, valid)
+            x, pool, stats = self.run_paged_layers(x, positions, metadata, caches, layer_stack, options, valid, lora)
             return self.norm(x), pool, _summary([stats])
         if layer_stack is not None or (self.scan_layers and caches is None):
-            x, stats = self.run_layers(x, positions, metadata, layer_stack, options, valid)
+            x, stats = self.run_layers(x, positions, metadata, layer_stack, options, valid, lora)
             return self.norm(x), None, _summary([stats])
         new_caches: list | None = [] if caches is not None else None
 
-        def call(layer: DecoderLayer, x: jax.Array, metadata: AttentionMetadata, cache: Any, valid: Any) -> Any:
-            return layer(x, positions, metadata, cache, options, valid)
+        def call(
+            layer: DecoderLayer, x: jax.Array, metadata: AttentionMetadata, cache: Any, valid: Any, lora: Any
+        ) -> Any:
+            return layer(x, positions, metadata, cache, options, valid, lora)
 
         if options.remat != "none":
             call = nnx.remat(call, policy=REMAT_POLICIES[options.remat])
         layer_stats = []
         for i, layer in enumerate(self.layers):
-            x, cache, stats = call(layer, x, metadata, None if caches is None else caches[i], valid)
+            layer_lora = None if lora is None else lora.layer(i)
+            x, cache, stats = call(layer, x, metadata, None if caches is None else caches[i], valid, layer_lora)
             layer_stats.append(stats)
             if new_caches is not None:
                 new_caches.append(cache)
@@ -182,18 +187,22 @@ class LlamaModel(nnx.Module):
         stack: LayerStack | None = None,
         options: ForwardOptions = ForwardOptions(),
         valid: Bool[Array, "B T"] | None = None,
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T E"], RouterStats | None]:
         """The decoder stack as one scan over layer parameters stacked on a leading `layers` axis
         (`stack`, or this model's layers stacked at trace time), and its router stats stacked [L, ...]."""
         stack = stack or LayerStack.of(self.layers)
 
-        def body(h: jax.Array, params: dict) -> tuple[jax.Array, RouterStats | None]:
-            out, _, stats = stack.layer(params)(h, positions, metadata, None, options, valid)
+        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, RouterStats | None]:
+            params, i = xs
+            layer_lora = None if lora is None else lora.layer(i)
+            out, _, stats = stack.layer(params)(h, positions, metadata, None, options, valid, layer_lora)
             return out, stats
 
         if options.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[options.remat])
-        return jax.lax.scan(body, x, stack.params)
+        depth = jax.tree.leaves(stack.params)[0].shape[0]  # a pipeline stage scans only its layers
+        return jax.lax.scan(body, x, (stack.params, jnp.arange(depth, dtype=jnp.int32)))
 
     def run_paged_layers(
         self,
@@ -204,6 +213,7 @@ class LlamaModel(nnx.Module):
         stack: LayerStack | None = None,
         options: ForwardOptions = ForwardOptions(),
         valid: Bool[Array, "B T"] | None = None,
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T E"], PagedKVCache, RouterStats | None]:
         """Serving's decoder stack over one paged pool for all layers ([L, blocks, block size, KV heads,
         D]): each layer reads and writes its own blocks of the pool flattened to [L x blocks, ...].
@@ -216,7 +226,7 @@ class LlamaModel(nnx.Module):
             layer: DecoderLayer, h: jax.Array, i: Any, cache: PagedKVCache
         ) -> tuple[jax.Array, PagedKVCache, RouterStats | None]:
             view = paged_layer_view(metadata, i, blocks, block_size)
-            out, new, stats = layer(h, positions, view, cache, options, valid)
+            out, new, stats = layer(h, positions, view, cache, options, valid, None if lora is None else lora.layer(i))
             assert isinstance(new, PagedKVCache)
             return out, new, stats
 
@@ -254,9 +264,10 @@ class LlamaModel(nnx.Module):
         layer_stack: LayerStack | None = None,
         options: ForwardOptions = ForwardOptions(),
         valid: Bool[Array, "B T"] | None = None,
+        lora: MultiLora | None = None,
     ) -> tuple[Float[Array, "B T V"], list | PagedKVCache | None, RouterStats | None]:
         """`hidden_states` through the LM head: logits, caches and router stats."""
-        h, caches, stats = self.hidden_states(input_ids, positions, metadata, caches, layer_stack, options, valid)
+        h, caches, stats = self.hidden_states(input_ids, positions, metadata, caches, layer_stack, options, valid, lora)
         return self.logits(h), caches, stats
 
     def __call__(

@@ -32,7 +32,7 @@ from serve.core.spec_decode.proposer import PROPOSERS
 from serve.core.step_data import SchedulerOutput
 from serve.core.structured_output import GrammarCompiler, Matcher
 from serve.kv_transfer.worker import KVTransferWorker
-from serve.types import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from serve.types import EngineCoreOutput, EngineCoreRequest, LoRARequest, SchedulerStats
 
 
 class EngineBusy(ValueError):
@@ -88,6 +88,19 @@ class EngineCore:
         self.applied_step = -1  # the last step id whose results were applied
         self.loop_stream = stream
 
+    # --- LoRA adapters ----------------------------------------------------------------------------
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Read an adapter into host memory (vLLM's add_lora); a ValueError naming it if it cannot be
+        served: LoRA off, not a PEFT LoRA folder, a rank above max_lora_rank, tensors that do not fit."""
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} requested, but the engine runs without enable_lora")
+        self.runner.lora.host_adapter(request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter's host copy and slot (running sequences reload it); whether it was known."""
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:
         """Queue a tokenized request; anything that cannot run is refused here (ValueError).
@@ -104,6 +117,8 @@ class EngineCore:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, leaving no room to generate within max_model_len ({self.max_model_len})"
             )
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         p = req.params
         if any(t >= self.vocab_size for t in [*p.stop_token_ids, *(p.logit_bias or {})]):
             raise ValueError(f"SamplingParams.stop_token_ids and logit_bias keys must be in [0, {self.vocab_size})")
@@ -118,6 +133,7 @@ class EngineCore:
                 (req.priority, req.arrival_time),
                 req.tenant,
                 req.weight,
+                req.lora_request,
             )
             for i in range(p.n)
         ]

@@ -1,8 +1,9 @@
 """KV block manager: a fixed pool of blocks, reference counts, LRU free queue, automatic prefix caching.
 
-A full block is keyed by sha256(parent key, its token ids, cache salt), so equal keys mean equal
-prefixes; a hit is still checked against the block's own tokens, salt and parent, so not even a
-hash collision can hand one prompt (or tenant) another's KV.
+A full block is keyed by sha256(parent key, its token ids, cache salt, LoRA adapter id), so equal keys
+mean equal prefixes computed by the same weights; a hit is still checked against the block's own
+tokens, salt, adapter and parent, so not even a hash collision can hand one prompt (or tenant, or
+adapter) another's KV.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from serve.core.sequence import Sequence
 NO_CHAIN = -1  # a prefix that resolves to no cached block: nothing after it is cached
 
 
-def block_hash(parent: bytes | None, tokens: tuple[int, ...], salt: str | None) -> bytes:
-    """A full block's key: sha256 chained from its parent's key (vLLM's scheme)."""
+def block_hash(parent: bytes | None, tokens: tuple[int, ...], salt: str | None, adapter: int = 0) -> bytes:
+    """A full block's key: sha256 chained from its parent's key (vLLM's scheme); `adapter`: the
+    lora_int_id whose weights computed it (0: the base model's, keyed as before adapters existed)."""
     h = hashlib.sha256(parent or b"\x00")
     h.update(np.asarray(tokens, np.int64).tobytes())
     h.update(b"\x00" if salt is None else b"\x01" + salt.encode("utf-8", "surrogatepass"))
+    if adapter:
+        h.update(b"\x02" + adapter.to_bytes(8, "little", signed=True))
     return h.digest()
 
 
@@ -36,6 +40,7 @@ class CachedBlock:
     key: bytes
     tokens: tuple[int, ...]
     salt: str | None
+    adapter: int  # lora_int_id (0: none)
     parent_uid: int | None
     uid: int
 
@@ -75,13 +80,14 @@ class BlockManager:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.tokens[i * self.block_size : (i + 1) * self.block_size])
 
-    def _lookup(self, key: bytes, tokens: tuple[int, ...], salt: str | None, parent_uid: int | None) -> int | None:
-        """The cached block holding exactly this content after this parent, or None."""
+    def _lookup(self, key: bytes, tokens: tuple[int, ...], seq: Sequence, parent_uid: int | None) -> int | None:
+        """The cached block holding exactly this content of `seq` (its salt and adapter) after this parent, or None."""
         block = self.hash_to_block.get(key)
         if block is None:
             return None
         c = self.cached[block]
-        return block if (c.tokens == tokens and c.salt == salt and c.parent_uid == parent_uid) else None
+        same = c.tokens == tokens and c.salt == seq.cache_salt and c.adapter == seq.lora_id
+        return block if same and c.parent_uid == parent_uid else None
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Give a fresh sequence the cached blocks of its longest cached prefix; returns cached tokens.
@@ -93,8 +99,8 @@ class BlockManager:
         parent_key, parent_uid = None, None
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = self._block_tokens(seq, i)
-            key = block_hash(parent_key, tokens, seq.cache_salt)
-            block = self._lookup(key, tokens, seq.cache_salt, parent_uid)
+            key = block_hash(parent_key, tokens, seq.cache_salt, seq.lora_id)
+            block = self._lookup(key, tokens, seq, parent_uid)
             if block is None:
                 break
             self._take(block)
@@ -128,17 +134,17 @@ class BlockManager:
             parent_key = seq.block_hashes[-1] if seq.block_hashes else None
             parent_uid = seq.chain_uids[-1] if seq.chain_uids else None
             tokens = self._block_tokens(seq, i)
-            key = block_hash(parent_key, tokens, seq.cache_salt)
+            key = block_hash(parent_key, tokens, seq.cache_salt, seq.lora_id)
             seq.block_hashes.append(key)
             uid = NO_CHAIN
             if self.enable_prefix_caching and parent_uid != NO_CHAIN:
-                existing = self._lookup(key, tokens, seq.cache_salt, parent_uid)
+                existing = self._lookup(key, tokens, seq, parent_uid)
                 block = seq.block_ids[i]
                 if existing is not None:
                     uid = self.cached[existing].uid
                 elif key not in self.hash_to_block and block not in self.cached:
                     uid = next(self._uids)
-                    self.cached[block] = CachedBlock(key, tokens, seq.cache_salt, parent_uid, uid)
+                    self.cached[block] = CachedBlock(key, tokens, seq.cache_salt, seq.lora_id, parent_uid, uid)
                     self.hash_to_block[key] = block
             seq.chain_uids.append(uid)
 

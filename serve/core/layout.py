@@ -48,6 +48,9 @@ class CoreLayout:
     seq_buckets: tuple[int, ...] = ()  # rows a decode-only step pads to
     mixed_seq_buckets: tuple[int, ...] = ()  # rows a step with a prompt chunk pads to
     width_buckets: tuple[int, ...] = ()  # block-table columns
+    max_loras: int = 0  # adapter slots on the device (0: LoRA off)
+    max_lora_rank: int = 16  # the slots' rank
+    max_cpu_loras: int = 0  # adapters kept in host memory
 
     @property
     def max_blocks(self) -> int:
@@ -73,6 +76,8 @@ def resolve(
         raise ValueError(
             f"EngineArgs.expert_parallel_size ({ep}) must divide the model's num_experts ({cfg.num_experts})"
         )
+    if args.enable_lora and cfg.num_experts:
+        raise ValueError("EngineArgs.enable_lora needs a dense model (adapters on a mixture of experts are not served)")
     budget = step_token_budget(args, max_model_len)
     num_blocks = args.num_gpu_blocks_override or blocks_from_memory(cfg, args, budget, draft)
     if num_blocks * args.block_size < max_model_len:
@@ -103,6 +108,9 @@ def resolve(
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel_size=ep,
         scan_layers=args.scan_layers,
+        max_loras=args.max_loras if args.enable_lora else 0,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras or args.max_loras,
         # A prompt chunk beside the decodes pads to the next power of two (its matmuls cost what it pads
         # to; coarser buckets, x4, made 16 decodes + a 64-token prompt a 256-token step)
         token_buckets=tuple(buckets(budget, min(16, budget))),

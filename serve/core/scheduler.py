@@ -189,6 +189,8 @@ class Scheduler:
             seq = self.waiting.head() if self.remote is None else self.remote.next_waiting(self.waiting)
             if seq.num_pending:
                 break  # its last token is still on the device
+            if self._no_adapter_slot(seq):
+                break  # every adapter slot is taken by running sequences of other adapters
             if not seq.block_ids:
                 seq.num_computed_tokens = seq.num_cached_tokens = self.bm.allocate_prefix(seq)
                 if self.remote is not None and self.remote.start(seq, self.waiting):
@@ -208,6 +210,13 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return self._output(scheduled, preempted, drafts)
+
+    def _no_adapter_slot(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` would run more LoRA adapters at once than the device has slots."""
+        if not seq.lora_id:
+            return False
+        adapters = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id not in adapters and len(adapters) >= self.layout.max_loras
 
     def finish_loads(self, loaded: set[str], failed: set[str]) -> None:
         """The worker loaded (or failed to load) these requests' remote KV: back to the front of the queue."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve.sampling_params import INT32_MAX, SamplingParams
+
+if TYPE_CHECKING:  # serve.types imports the core's stats types
+    from serve.types import LoRARequest
 
 _counter = itertools.count()
 
@@ -57,9 +60,11 @@ class Sequence:
         rank: tuple[int, float] = (0, 0.0),
         tenant: str = "",
         weight: float = 1.0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """`rank`: (priority, arrival time), the order of the priority scheduling policy; `tenant` and
-        its `weight`: the fair policy's share (serve.core.scheduling_policy)."""
+        its `weight`: the fair policy's share (serve.core.scheduling_policy); `lora_request`: the
+        adapter it runs with (None: the base model)."""
         self.seq_id = next(_counter)
         self.request_id = request_id
         self.index = index
@@ -71,6 +76,8 @@ class Sequence:
         self.rank = (*rank, self.seq_id)
         self.tenant = tenant
         self.weight = weight
+        self.lora_request = lora_request
+        self.lora_id = lora_request.lora_int_id if lora_request is not None else 0  # 0: no adapter
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

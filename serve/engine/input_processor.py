@@ -11,7 +11,7 @@ from jaxinfra.tokenizer import Tokenizer
 from serve.core.scheduling_policy import check_weight
 from serve.core.structured_output import GrammarCompiler
 from serve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from serve.types import EngineCoreRequest
+from serve.types import EngineCoreRequest, LoRARequest
 
 Prompt = str | list[int]
 
@@ -71,10 +71,11 @@ class InputProcessor:
         grammar_checked: bool = False,
         tenant: str = "",
         weight: float = 1.0,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """The core's request; `grammar_checked`: the structured-output constraint was validated already
         (the server checks it in a child process: serve.engine.grammar_check); `tenant`, `weight`: its share
-        under the fair policy."""
+        under the fair policy; `lora_request`: its adapter (the core reads and checks it)."""
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -105,6 +106,8 @@ class InputProcessor:
         if not isinstance(tenant, str):
             raise ValueError("tenant must be a string")
         check_weight(weight)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         seed = params.device_seed
         if seed is None:
             seed = int(self.rng.integers(2**31 - 1))
@@ -119,4 +122,5 @@ class InputProcessor:
             kv_transfer_params,
             tenant,
             weight,
+            lora_request,
         )

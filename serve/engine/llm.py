@@ -19,7 +19,7 @@ from serve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchPar
 from serve.engine.llm_engine import LLMEngine
 from serve.engine.prompt_inputs import Prompt, PromptLike, parse_prompts
 from serve.sampling_params import SamplingParams
-from serve.types import RequestOutput
+from serve.types import LoRARequest, RequestOutput
 
 
 class LLM:
@@ -45,24 +45,32 @@ class LLM:
         prompts: PromptLike | Seq[PromptLike],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`: strings, token id lists, {"prompt": ...} or
-        {"prompt_token_ids": [...]} dicts (vLLM's forms, optionally with "cache_salt"), or a list of them."""
+        {"prompt_token_ids": [...]} dicts (vLLM's forms, optionally with "cache_salt"), or a list of them.
+        `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model)."""
         inputs = parse_prompts(prompts)
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(inputs)
         if len(params) != len(inputs):
             raise ValueError(f"{len(params)} sampling_params for {len(inputs)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Seq) else [lora_request] * len(inputs)
+        if len(loras) != len(inputs):
+            raise ValueError(f"{len(loras)} lora_requests for {len(inputs)} prompts")
+        if any(lora is not None for lora in loras) and any(p is not None and p.use_beam_search for p in params):
+            raise ValueError("lora_request with use_beam_search is not supported")
         if any(p is not None and p.use_beam_search for p in params):
             return [self._beam_request(i.prompt, cast(SamplingParams, p)) for i, p in zip(inputs, params)]
         order = []
         try:
-            for i, p in zip(inputs, params):
+            for i, p, lora in zip(inputs, params, loras):
                 rid = f"offline-{next(self._ids)}"
                 self.engine.add_request(
                     rid,
                     i.prompt,
                     dataclasses.replace(p or SamplingParams(), output_kind="final_only"),
                     cache_salt=i.cache_salt,
+                    lora_request=lora,
                 )
                 order.append(rid)
         except (ValueError, TypeError):

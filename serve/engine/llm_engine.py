@@ -12,7 +12,7 @@ from serve.core.model_loading import enable_compilation_cache, load_engine_model
 from serve.engine.input_processor import InputProcessor, Prompt
 from serve.engine.output_processor import OutputProcessor
 from serve.sampling_params import SamplingParams
-from serve.types import RequestOutput, SchedulerStats
+from serve.types import LoRARequest, RequestOutput, SchedulerStats
 
 
 class LLMEngine:
@@ -40,13 +40,21 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; bad input (an over-long or empty prompt, unknown ids) is a ValueError here."""
+        """Queue a request (with `lora_request`: run by that adapter); bad input (an over-long or empty
+        prompt, unknown ids, an adapter that cannot be served) is a ValueError here."""
         params = params or SamplingParams()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = self.input_processor.process(
-            request_id, prompt, params, cache_salt=cache_salt, arrival_time=arrival_time, priority=priority
+            request_id,
+            prompt,
+            params,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time,
+            priority=priority,
+            lora_request=lora_request,
         )
         self.core.add_request(req)
         self.output_processor.add_request(

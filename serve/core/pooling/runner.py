@@ -70,7 +70,7 @@ class PoolingRunner:
         def run() -> jax.Array:
             model, stack = self.device._model(weights)
             positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-            h, _ = model.hidden_states(ids, positions, DenseMetadata(), None, stack)
+            h, _, _ = model.hidden_states(ids, positions, DenseMetadata(), None, stack)
             return pool_hidden(h.astype(jnp.float32), lengths, pooling_type)
 
         return self.device._sharded(run)

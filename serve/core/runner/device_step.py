@@ -15,6 +15,7 @@ from flax import nnx
 from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.llama import LayerStack, merge_params, unstack_layers
+from jaxinfra.models.multi_lora import MultiLora
 from jaxinfra.models.options import ForwardOptions
 from pallas_kernels import PagedMetadata
 from serve.core.host_transfer import unpack
@@ -51,6 +52,7 @@ class DeviceStep:
     layout: CoreLayout  # block size, rows (max_num_seqs) and EOS ids
     loop_tap: LoopTap | None  # decode loops' (serve.core.loop_stream.device_tap), or None
     return_hidden: bool  # single and verify steps also return the flat batch's hidden states (EAGLE)
+    lora_def: Any = None  # multi-LoRA: the adapter pools' pytree structure (they follow the weights)
     num_compilations: int = 0
 
     @property
@@ -63,12 +65,18 @@ class DeviceStep:
 
     def _model(self, weights: list) -> tuple[LlamaModel, LayerStack | None]:
         """The model (inside a jitted step) and, when its layers are stacked, the stack to scan."""
-        params = jax.tree.unflatten(self.state_def, weights)
+        params = jax.tree.unflatten(self.state_def, weights[: self.state_def.num_leaves])
         if self.layer_graph is None:
             return merge_params(self.graphdef, self.template, params), None
         # the per-layer slices serve the template only: the scan reads the stack, XLA drops the slices
         per_layer = unstack_layers(params, self.cfg.num_layers)
         return merge_params(self.graphdef, self.template, per_layer), LayerStack(*self.layer_graph, params["layers"])
+
+    def _lora(self, weights: list, slots: jax.Array | None) -> MultiLora | None:
+        """Multi-LoRA's adapter pools (the weights' tail) with each token's slot, or None (LoRA off)."""
+        if self.lora_def is None or slots is None:
+            return None
+        return MultiLora(slots, jax.tree.unflatten(self.lora_def, weights[self.state_def.num_leaves :]))
 
     def _sharded(self, fn, *args, **kwargs):
         if self.mesh is None:
@@ -128,7 +136,10 @@ class DeviceStep:
         meta = self._meta(inputs, inputs.kv_lens, inputs.slot_mapping, max_q_len)
         ids = self._input_ids(inputs, prev_tokens)
         valid = inputs.slot_mapping[None] >= 0
-        h, caches, stats = model.hidden_states(ids[None], inputs.positions[None], meta, caches, stack, options, valid)
+        lora = self._lora(state, inputs.lora_slots)
+        h, caches, stats = model.hidden_states(
+            ids[None], inputs.positions[None], meta, caches, stack, options, valid, lora
+        )
         return model, h[0], caches, stats
 
     def _hidden_counted(self, state, caches, inputs, prev_tokens, max_q_len):
@@ -211,6 +222,7 @@ class DeviceStep:
         last token (padded to max_num_seqs: what the next step feeds from the device), for an MoE
         model the token copies each expert took over the loop, and the tap's last receipt."""
         model, stack = self._model(state)
+        lora = self._lora(state, inputs.lora_slots)  # a decode row's slot stays its slot for the whole loop
         s = budgets.shape[0]
         eos = jnp.asarray(self.layout.eos_token_ids or (-1,), jnp.int32)
         rows = jnp.arange(s)
@@ -222,7 +234,9 @@ class DeviceStep:
             block = tables[rows, jnp.minimum(pos // self.block_size, tables.shape[1] - 1)]
             slots = jnp.where(active, block * self.block_size + pos % self.block_size, -1)
             meta = self._meta(inputs, jnp.where(active, kv0 + i, 0), slots, 1, jnp.where(active, pos, -1))
-            h, caches, stats = model.hidden_states(ids[None], pos[None], meta, caches, stack, COUNTED, active[None])
+            h, caches, stats = model.hidden_states(
+                ids[None], pos[None], meta, caches, stack, COUNTED, active[None], lora
+            )
             t = dataclasses.replace(sampling, out_pos=sampling.out_pos + i)
             out = sample(model.logits(h[0]), t, eos_ids=self.layout.eos_token_ids)
             is_eos = jnp.any(out.tokens[:, None] == eos[None, :], axis=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -41,6 +42,7 @@ class StepInputs:
     prompt_targets: Int[Array, " T"] | None = None  # single steps: the next prompt token to score, or -1
     plan: TilePlan | None = None  # the XLA attention's work tiles
     work: Int[Array, "N 2"] | None = None  # the Pallas kernel's work list
+    lora_slots: Int[Array, " T"] | None = None  # multi-LoRA: each token's adapter slot (-1: none)
 
 
 @dataclasses.dataclass
@@ -71,6 +73,8 @@ class InputBuilder:
     kernel_shape: tuple[int, int, bool]  # the Pallas kernel's (query heads per KV head, head dim, quantized KV)
     verify_min_rows: int = 1  # a verify step's rows are padded to at least this many
     ready: ReadyShapes = dataclasses.field(default_factory=ReadyShapes)  # what a batch may pad to during warm-up
+    # multi-LoRA: each sequence's adapter slot, its adapter brought onto the device (None: LoRA off)
+    adapter_slots: Callable[[list[Sequence]], np.ndarray] | None = None
     prev_row: np.ndarray = dataclasses.field(init=False)  # per slot: its row in the last dispatched step
 
     def __post_init__(self) -> None:
@@ -164,6 +168,9 @@ class InputBuilder:
             logits_indices=logits_indices,
             prompt_targets=targets,
         )
+        if self.adapter_slots is not None:
+            columns["lora_slots"] = np.full(tb, -1, np.int32)
+            columns["lora_slots"][:n_tok] = self.adapter_slots(seqs)[seq_of_tok]
         inputs = StepInputs(**columns, **self.work_tiles(cu, block_tables, plan_kv, tb, max_q_len))
         sampling = table.sampling(rows, sb, out_pos)
         batch = StepBatch(sched, inputs, sampling, max_q_len, budgets, prompt_logprobs=prompt_logprobs, rows=rows)
@@ -211,6 +218,7 @@ class InputBuilder:
             kv_lens=kv_lens,
             logits_indices=np.zeros(sb, np.int32),
             prompt_targets=np.full(tb, -1, np.int32) if num_steps == 1 else None,
+            lora_slots=np.full(tb, -1, np.int32) if self.adapter_slots is not None else None,
         )
         inputs = StepInputs(**columns, **self.work_tiles(cu, tables, kv_lens, tb, q))
         empty = np.zeros(0, np.int32)

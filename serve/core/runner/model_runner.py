@@ -25,6 +25,7 @@ from pallas_kernels import PagedKVCache, paged_head_dim
 from pallas_kernels.kv_quant import is_quantized_kv
 from serve.config import kv_storage_dtype
 from serve.core.host_transfer import Layout, pack
+from serve.core.lora import AdapterSlots
 from serve.core.runner.batch import SlotTable
 from serve.core.runner.compile_pool import CompilePool
 from serve.core.runner.device_step import DeviceStep, LoopTap
@@ -52,9 +53,11 @@ def device_step(
     activation_rules: Any = None,
     loop_tap: LoopTap | None = None,
     return_hidden: bool = False,
+    lora_def: Any = None,
 ) -> tuple[DeviceStep, list]:
     """The jitted steps' closure for `model` (split into graphdef and placed `state`) and its weights;
-    with `layout.scan_layers`, identical layers' weights are stacked once here and scanned in every step."""
+    with `layout.scan_layers`, identical layers' weights are stacked once here and scanned in every step.
+    `lora_def`: multi-LoRA's pools' structure (their leaves follow the weights in each step's call)."""
     params = nnx.to_pure_dict(state)
     template = abstract(nnx.to_flat_state(state))  # shapes only: the weights' one copy is `weights`
     stacked: tuple[nnx.GraphDef, list] | None = None
@@ -68,7 +71,7 @@ def device_step(
     # The weights travel as a flat list: flattening a pytree of them on every call costs more than the step.
     weights, state_def = jax.tree.flatten(params)
     parts = (model.cfg, graphdef, template, stacked, state_def, mesh, activation_rules, layout, loop_tap, return_hidden)
-    return DeviceStep(*parts), weights
+    return DeviceStep(*parts, lora_def), weights
 
 
 def abstract(flat: Any) -> list:
@@ -121,8 +124,15 @@ class ModelRunner:
             )
         tap = loop_tap(mesh) if loop_tap is not None else None
         hidden = proposer is not None and proposer.target_hidden
+        # multi-LoRA: adapter slots on the device, passed to each step after the weights
+        self.lora = (
+            AdapterSlots(cfg, layout.max_loras, layout.max_lora_rank, layout.max_cpu_loras)
+            if layout.max_loras
+            else None
+        )
+        lora_def = jax.tree.structure(self.lora.pools) if self.lora is not None else None
         self.device, self.weights = device_step(
-            model, graphdef, state, layout, mesh, rules.activations, tap, return_hidden=hidden
+            model, graphdef, state, layout, mesh, rules.activations, tap, return_hidden=hidden, lora_def=lora_def
         )
         self.layer_graph = self.device.layer_graph
         self._template = abstract(nnx.to_flat_state(state))
@@ -143,6 +153,7 @@ class ModelRunner:
             (cfg.num_heads // cfg.num_kv_heads, pool.shape[-1], is_quantized_kv(pool.dtype)),
             self.proposer.verify_min_rows if self.proposer is not None else 1,
             self.ready,
+            self.lora.slots if self.lora is not None else None,
         )
         self._no_prev = jnp.zeros((layout.max_num_seqs,), jnp.int32)
         if mesh is not None:  # placed as the steps place their sampled tokens, so the first step's call is theirs
@@ -154,6 +165,11 @@ class ModelRunner:
         self._multi = jax.jit(d.multi, donate_argnums=(1,), static_argnames=("layout", "num_steps"))
         self._resample = jax.jit(d.resample, static_argnames=("layout",))
         self._verify = jax.jit(d.verify, donate_argnums=(1,), static_argnames=("layout", "max_q_len"))
+
+    @property
+    def step_weights(self) -> list:
+        """What each step takes as its weights: the model's, then with LoRA the adapter pools' leaves."""
+        return self.weights if self.lora is None else self.weights + jax.tree.leaves(self.lora.pools)
 
     @property
     def num_compilations(self) -> int:
@@ -200,14 +216,14 @@ class ModelRunner:
         """A decode loop of num_steps steps in one call."""
         buffers, layout = self._loop_buffers(batch)
         out, self.prev_tokens, self.kv_cache, load, _ = self._multi(  # _: the loop tap's receipt
-            self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
+            self.step_weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
         )
         self.inputs.dispatched(batch)
         return InFlight(batch, out, (), expert_counts=load)
 
     def _verify_step(self, batch: StepBatch, buffers: Any, layout: Layout) -> tuple[InFlight, list]:
         """A speculative verify step (the proposer's, when it drafts on device) and its hidden states."""
-        args, q = (self.weights, self.kv_cache, buffers, self.prev_tokens), batch.max_q_len
+        args, q = (self.step_weights, self.kv_cache, buffers, self.prev_tokens), batch.max_q_len
         if self.proposer is None:
             verified = self._verify(*args, None, layout=layout, max_q_len=q)
         else:
@@ -218,7 +234,7 @@ class ModelRunner:
     def _single(self, batch: StepBatch, buffers: Any, layout: Layout) -> tuple[InFlight, list]:
         """One step, its logits resampled for penalties, logit_bias or grammars; and its hidden states."""
         out, padded, logits, prompt, self.kv_cache, load, *h = self._step(
-            self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+            self.step_weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
         )
         if batch.history is not None:
             sb = batch.history[0].shape[0]
@@ -237,12 +253,17 @@ class ModelRunner:
         if batch.budgets is not None:
             buffers, layout = self._loop_buffers(batch)
             lowered = self._multi.lower(
-                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, num_steps=batch.sched.num_steps
+                self.step_weights,
+                self.kv_cache,
+                buffers,
+                self.prev_tokens,
+                layout=layout,
+                num_steps=batch.sched.num_steps,
             )
         else:
             buffers, layout = pack((batch.inputs, batch.sampling))
             lowered = self._step.lower(
-                self.weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
+                self.step_weights, self.kv_cache, buffers, self.prev_tokens, layout=layout, max_q_len=batch.max_q_len
             )
         return lowered.compile().as_text() or ""
 

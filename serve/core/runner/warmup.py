@@ -42,7 +42,6 @@ class Runner(Protocol):
     slots: SlotTable
     inputs: InputBuilder
     ready: ReadyShapes
-    weights: list
     kv_cache: Any
     prev_tokens: jax.Array
     _no_prev: jax.Array
@@ -53,6 +52,9 @@ class Runner(Protocol):
 
     @property
     def proposer(self) -> object | None: ...
+
+    @property
+    def step_weights(self) -> list: ...
 
     def shapes(self) -> list[tuple[int, int, int, int]]: ...
 
@@ -155,7 +157,7 @@ def warm_up(runner: Runner, background: bool = False, threads: int = 0) -> Compi
     first, rest = ordered(shape_groups(runner))
     pool = CompilePool(runner.ready, threads or default_threads(), len(first) + len(rest))
     runner.ready.complete = False
-    state = abstract((runner.weights, runner.kv_cache, runner._no_prev))
+    state = abstract((runner.step_weights, runner.kv_cache, runner._no_prev))
     pool.submit([(s, compile_job(runner, s, state)) for s in first])
     jobs = [(s, compile_job(runner, s, state)) for s in rest]  # built before serving: they read the persistent batch
     pool.wait()

@@ -40,7 +40,6 @@ NEEDED = [
     ("importlib_metadata", "importlib-metadata"),
     ("uvicorn", "uvicorn"),
     ("msgspec", "msgspec"),
-    ("zmq", "pyzmq"),
     ("llguidance", "llguidance"),
     ("tensorboardX", "tensorboardx"),
     ("typing_extensions", "typing-extensions"),

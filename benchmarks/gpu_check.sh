@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_check.sh                 all steps on the GPU (device tool: command "bash benchmarks/gpu_check.sh")
 #   bash benchmarks/gpu_check.sh --only serving  one step;   --list  the steps and their budgets
-#   bash benchmarks/gpu_check.sh --only serving_8b   the opt-in step: a Llama-3.1-8B-shaped server (200 s more)
+#   bash benchmarks/gpu_check.sh --only serving_8b   an opt-in step: a Llama-3.1-8B-shaped server (200 s more)
+#   bash benchmarks/gpu_check.sh --only serving_128k the other: one 128K-token prompt on it (240 s more)
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   every step on CPU at tiny shapes (3-4 minutes), so this cannot rot
 #
 # Results, 6 files under $OUT (default benchmarks/out/gpu_check): summary.md (rebuilt after each step),
@@ -18,16 +19,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STEPS=(preflight kernel_tests attention paged_attention quant_matmul grouped_matmul collectives train_throughput serving leftovers)
-OPT_IN=(serving_8b)  # past the 7 minutes: only with --only
-declare -A BUDGET=([serving_8b]=200 [preflight]=20 [kernel_tests]=55 [attention]=30 [paged_attention]=40 [quant_matmul]=25
+OPT_IN=(serving_8b serving_128k)  # past the 7 minutes: only with --only
+declare -A BUDGET=([serving_8b]=200 [serving_128k]=240 [preflight]=20 [kernel_tests]=55 [attention]=30 [paged_attention]=40 [quant_matmul]=25
   [grouped_matmul]=20 [collectives]=10 [train_throughput]=40 [serving]=110 [leftovers]=10)
 declare -A AREA=([preflight]=system [kernel_tests]=kernels [attention]=kernels [paged_attention]=kernels
   [quant_matmul]=kernels [grouped_matmul]=kernels [collectives]=kernels [train_throughput]=training
-  [serving]=serving [serving_8b]=serving [leftovers]=system)
+  [serving]=serving [serving_8b]=serving [serving_128k]=serving [leftovers]=system)
 # Distributions (as gpu_preflight names them) a step cannot import without.
 SERVE_NEEDS="grain portpicker array-record fastapi starlette pydantic pydantic-core typing-inspection annotated-types \
-opentelemetry-api importlib-metadata uvicorn msgspec pyzmq llguidance typing-extensions"
-declare -A NEEDS=([train_throughput]="grain portpicker array-record" [serving]=$SERVE_NEEDS [serving_8b]=$SERVE_NEEDS)
+opentelemetry-api importlib-metadata uvicorn msgspec llguidance typing-extensions"
+declare -A NEEDS=([train_throughput]="grain portpicker array-record" [serving]=$SERVE_NEEDS [serving_8b]=$SERVE_NEEDS
+  [serving_128k]=$SERVE_NEEDS)
 SLACK=60  # the outer timeout's allowance past a step's budget (one row's compile can overrun it)
 
 DRY=0
@@ -138,6 +140,18 @@ step_serving_8b() {  # a Llama-3.1-8B-shaped bf16 model: about 16 GB of weights 
     run_step serving_8b $PY -m benchmarks.serving_check --model llama-3.1-8b --dtype bfloat16 --input-len 512 \
       --output-len 128 --concurrency 1,64 --bandwidth-from "$OUT/kernels.json" --logs "$WORK/logs/serving_8b" \
       --server-flags "--max-model-len 1024 --max-num-seqs 64 --max-num-batched-tokens 2048"
+  fi
+}
+step_serving_128k() {  # one 128K-token prompt on a Llama-3.1-8B-shaped bf16 model: prefill rate and decode roofline
+  if [ "$DRY" = 1 ]; then
+    run_step serving_128k $PY -m benchmarks.long_context_check --model tiny-llama --dtype float32 --context 448 \
+      --output-len 8 --vocab 200 --logs "$WORK/logs/serving_128k" \
+      --server-flags "--max-model-len 512 --max-num-seqs 2 --max-num-batched-tokens 128 --num-scheduler-steps 1"
+  else
+    run_step serving_128k $PY -m benchmarks.long_context_check --model llama-3.1-8b --dtype bfloat16 --context 130944 \
+      --output-len 64 --bandwidth-from "$OUT/kernels.json" --peak-from "$OUT/training.json" \
+      --logs "$WORK/logs/serving_128k" \
+      --server-flags "--max-model-len 131072 --max-num-seqs 4 --max-num-batched-tokens 8192"
   fi
 }
 step_leftovers() { run_step leftovers $PY -m benchmarks.gpu_report leftovers --out "$OUT"; }

@@ -1,6 +1,7 @@
 """Our server against vLLM's CPU build: same model, same client (vLLM's own `bench serve`), one run.
 
-Each server is started in turn on an idle machine (ours: `python -m serve --config configs/serve/cpu.yaml`;
+Each server is started in turn on an idle machine (ours: `python -m serve --config configs/serve/cpu.yaml
+--no-background-compile`, so that no step shape compiles while it is measured;
 vLLM: its OpenAI server from a separate venv), driven at each concurrency by vLLM's benchmark client
 (random 64-token prompts, 128 output tokens, ignore_eos, greedy), then stopped. Prints a table with
 output throughput and median TPOT/TTFT and the ratios ours/vLLM; writes JSON and a PNG.
@@ -170,7 +171,10 @@ def main() -> None:
     (scripts / "server.py").write_text(VLLM_SERVER)
     (scripts / "bench.py").write_text(VLLM_BENCH)
     servers = {
-        "ours": ([sys.executable, "-m", "serve", "--config", args.config, "--port", "{port}"], {}),
+        "ours": (
+            [sys.executable, "-m", "serve", "--config", args.config, "--no-background-compile", "--port", "{port}"],
+            {},
+        ),
         "vllm": (
             [
                 args.vllm_python,

@@ -117,3 +117,14 @@ def test_kernel_tests_stop_at_the_budget_and_count_what_ran(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:]
     (row,) = json.loads(area.read_text())["kernel_tests"]["rows"]
     assert row["passed"] == 1 and row["failed"] == 0 and row["not_run"] == row["collected"] - 1 > 0
+
+
+@pytest.mark.slow
+def test_long_context_step_dry_run(tmp_path):
+    r = _check(tmp_path, "--cpu-dry-run", "--only", "serving_128k", timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    rows = json.loads((tmp_path / "serving.json").read_text())["serving_128k"]["rows"]
+    assert [row["phase"] for row in rows] == ["start", "448-token prompt", "second question, same document"]
+    long, again = rows[1], rows[2]
+    assert long["ttft_ms"] > 0 and long["prefill_tflops"] > 0 and long["tpot_ms"] > 0
+    assert again["ttft_over_first"] == pytest.approx(again["ttft_ms"] / long["ttft_ms"])

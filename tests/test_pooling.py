@@ -67,6 +67,9 @@ def test_llm_embed_equals_sentence_transformers(embedder, pooling):
         llm.embed(TEXTS, dimensions=65)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.embed([[5] * 129])
+    assert llm.engine.core.layout.num_blocks == 128 // 8  # no KV kept: the pool is one sequence's, not the 32 asked
+    with pytest.raises(ValueError, match="does not generate"):
+        llm.generate("hi")
 
 
 def test_engine_args_name_the_bad_pooling_flag(embedder):

@@ -77,7 +77,7 @@ def build_core(
     tokens are streamed through it. With args.background_compile, warm-up goes on after this returns."""
     enable_compilation_cache(args.compilation_cache_dir)
     core = EngineCore(load_engine_model(args), args, eos_token_ids, stream=stream)
-    if warmup:
+    if warmup and args.runner != "pooling":  # a pooling engine runs no generation step
         core.runner.warmup(args.background_compile, args.compile_threads)
     return core
 

@@ -107,6 +107,8 @@ class EngineCore:
         `matchers`: its structured output's, one per sequence, when made beforehand off the step
         path (the core process's serve.core.grammar_queue); made here if None."""
         ids = req.prompt_token_ids
+        if self.pooler is not None:
+            raise ValueError("this engine runs runner='pooling': it embeds and scores, it does not generate")
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         if not ids:

@@ -79,7 +79,11 @@ def resolve(
     if args.enable_lora and cfg.num_experts:
         raise ValueError("EngineArgs.enable_lora needs a dense model (adapters on a mixture of experts are not served)")
     budget = step_token_budget(args, max_model_len)
-    num_blocks = args.num_gpu_blocks_override or blocks_from_memory(cfg, args, budget, draft)
+    max_seqs, max_blocks = args.max_num_seqs, math.ceil(max_model_len / args.block_size)
+    if args.runner == "pooling":  # pooling keeps no KV: the pool is one sequence's, the least the runner takes
+        num_blocks = max_blocks
+    else:
+        num_blocks = args.num_gpu_blocks_override or blocks_from_memory(cfg, args, budget, draft)
     if num_blocks * args.block_size < max_model_len:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks x {args.block_size} tokens, fewer than "
@@ -89,7 +93,6 @@ def resolve(
     if attn_impl == "cpu" and not cpu_paged_attention.reads(kv_storage_dtype(args.kv_cache_dtype, cfg.dtype)):
         attn_impl = "xla"  # what the attention layers run instead: its tile plans are built here
     spec = args.speculative()
-    max_seqs, max_blocks = args.max_num_seqs, math.ceil(max_model_len / args.block_size)
     return CoreLayout(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,

@@ -69,6 +69,17 @@ class PagedMetadata:
     plan: TilePlan | None = None
     work: Int[Array, "T 2"] | None = None
 
+    def query_slice(self, start: Int[Array, ""] | int, size: int) -> PagedMetadata:
+        """The flat batch's tokens start:start + size as the queries, every token's K/V still written
+        (slot_mapping whole; context parallelism): each sequence's queries clipped to the slice and its
+        keys ending at its last query there, so the causal mask stays by absolute position. The host's
+        plan and work list are the whole batch's: dropped, the kernels build the slice's on device."""
+        cu = jnp.clip(self.cu_q_lens - start, 0, size)
+        q_lens = cu[1:] - cu[:-1]
+        past = jnp.maximum(self.cu_q_lens[1:] - (start + size), 0)  # each sequence's tokens after the slice
+        kv_lens = jnp.where(q_lens > 0, self.kv_lens - past, 0)
+        return dataclasses.replace(self, cu_q_lens=cu, kv_lens=kv_lens, plan=None, work=None)
+
 
 def _scatter_slots(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     flat = pool.reshape(-1, *pool.shape[2:])

@@ -85,6 +85,9 @@ class EngineArgs:
     expert_parallel_size: int = 1
     """MoE models: devices the experts are split over, a multiple of tensor_parallel_size (attention is
     replicated over the extra ones); tokens travel to their experts' devices and back."""
+    context_parallel_size: int = 1
+    """Devices each step's tokens are split over (a long prompt's chunk prefilled in parallel, its keys
+    all-gathered per layer); weights and KV pools are replicated over them. Dense models only."""
     attn_impl: str | None = None
     """pallas | xla | reference (default: pallas on GPU, xla elsewhere)."""
     scan_layers: bool = True
@@ -174,6 +177,7 @@ class EngineArgs:
             "max_num_seqs",
             "tensor_parallel_size",
             "expert_parallel_size",
+            "context_parallel_size",
             "num_scheduler_steps",
             "max_loras",
             "max_lora_rank",
@@ -219,10 +223,27 @@ class EngineArgs:
             raise bad("speculative_config", "cannot be combined with enable_lora (not supported yet)")
         if self.enable_lora and tp > 1:
             raise bad("tensor_parallel_size", "must be 1 with enable_lora (adapter slots are not sharded yet)")
+        if self.context_parallel_size > 1:
+            self._check_context_parallel()
         if self.speculative_config is not None:
             self.speculative()
         self.kv_transfer()
         self.lenient_json_schemas()
+
+    def _check_context_parallel(self) -> None:
+        """context_parallel_size > 1 runs the plain generate step only: what it is not combined with."""
+        unsupported = {
+            "speculative_config": self.speculative_config is not None,
+            "enable_lora": self.enable_lora,
+            "expert parallelism": self.expert_parallel() > 1,
+            "runner pooling": self.runner == "pooling",
+        }
+        for name, on in unsupported.items():
+            if on:
+                raise ValueError(
+                    f"EngineArgs.context_parallel_size must be 1 with {name} (not supported yet), "
+                    f"got {self.context_parallel_size}"
+                )
 
     def expert_parallel(self) -> int:
         """Devices the experts are split over (1: none), enable_expert_parallel resolved."""

@@ -121,6 +121,7 @@ class ServePlan:
     model: str
     device: str
     tensor_parallel_size: int
+    context_parallel_size: int  # devices a step's tokens split over (weights and KV pools replicated)
     kv_cache_dtype: str
     quantization: str | None
     block_size: int
@@ -200,6 +201,7 @@ def plan(
         model=model,
         device=device.name,
         tensor_parallel_size=tp,
+        context_parallel_size=args.context_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         block_size=args.block_size,
@@ -257,8 +259,9 @@ def format_plan(p: ServePlan, others: list[ServePlan | str], workload: Workload)
         ),
         (
             "settings",
-            f"TP {tp}, kv_cache_dtype {p.kv_cache_dtype}, weights {p.quantization or 'dense'}, "
-            f"block_size {p.block_size}, gpu_memory_utilization {p.gpu_memory_utilization}",
+            f"TP {tp}, CP {p.context_parallel_size}, kv_cache_dtype {p.kv_cache_dtype}, "
+            f"weights {p.quantization or 'dense'}, block_size {p.block_size}, "
+            f"gpu_memory_utilization {p.gpu_memory_utilization}",
         ),
         (
             "weights per device",

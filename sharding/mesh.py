@@ -65,18 +65,22 @@ def initialize_distributed(
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
-def tensor_parallel_mesh(size: int, num_kv_heads: int, expert_parallel_size: int = 1) -> Mesh:
+def tensor_parallel_mesh(size: int, num_kv_heads: int, expert_parallel_size: int = 1, context: int = 1) -> Mesh:
     """A serving mesh: one tensor-parallel group of the first `size` devices (KV heads split over it);
     with expert parallelism over more devices, that group repeated along the expert axis (the experts
-    split over expert x tensor, everything else replicated over expert)."""
-    devices = max(size, expert_parallel_size)
+    split over expert x tensor, everything else replicated over expert); with `context` > 1, repeated
+    along the context axis (a step's tokens split over it, weights and KV pools replicated)."""
+    devices = max(size, expert_parallel_size) * context
     if devices > len(jax.devices()):
-        raise ValueError(f"{devices} devices needed for tensor/expert parallelism; {len(jax.devices())} available")
+        raise ValueError(
+            f"{devices} devices needed for tensor/expert/context parallelism; {len(jax.devices())} available"
+        )
     if num_kv_heads % size:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) must be divisible by tensor_parallel_size ({size})")
-    if devices % size:
+    if devices // context % size:
         raise ValueError(f"expert_parallel_size ({expert_parallel_size}) must be a multiple of tensor_parallel_size")
-    return make_mesh(MeshConfig(data=1, fsdp=1, expert=devices // size, tensor=size), jax.devices()[:devices])
+    config = MeshConfig(data=1, fsdp=1, expert=devices // context // size, context=context, tensor=size)
+    return make_mesh(config, jax.devices()[:devices])
 
 
 def parallel_sizes(mesh: Mesh) -> tuple[int, int]:

@@ -7,6 +7,10 @@ tensor axis, and with the sequence split over the context axis, each device's qu
 whole (all-gathered) sequence of keys at their own positions (the kernel's query offset, so tiles
 past the diagonal are skipped). With `zigzag` the rows arrive reordered so that device i of
 C holds chunks i and 2C - 1 - i of 2C (`zigzag_order`): every device then has the same causal work.
+
+Serving's flat token batch over a paged cache, the same way: with the batch split over the context
+axis, each device writes every (all-gathered) new key to its replica of the pools and attends its own
+queries (`PagedMetadata.query_slice`: their positions, so the causal mask, stay absolute).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pallas_kernels import (
     AttentionMetadata,
     KVCache,
     PagedKVCache,
+    PagedMetadata,
     attend,
     default_impl,
     dot_product_attention,
@@ -98,14 +103,22 @@ def cached_attention(
     **options: Any,
 ) -> tuple[Float[Array, "B T H D"], KVCache | PagedKVCache]:
     """`attend` with a KV cache (serving): under tensor parallelism each device writes and reads its
-    own KV heads' pools with its query heads; the metadata (block tables, lengths) is replicated."""
+    own KV heads' pools with its query heads; the metadata (block tables, lengths) is replicated.
+    With the tokens split over the context axis (paged metadata only), each device's queries are
+    its slice of the flat batch and the keys the whole batch's (context parallelism)."""
+    context_axes, parts = sharded_axes("length", q.shape[1])
+    if parts > 1 and not isinstance(metadata, PagedMetadata):
+        raise ValueError("a KV cache split over the context axis needs PagedMetadata (serving's flat batch)")
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, metadata: Any) -> tuple[jax.Array, Any]:
+        if parts > 1:  # serving's flat batch is one row: this device's tokens are one slice of it
+            chunk = q.shape[1]
+            metadata = metadata.query_slice(jax.lax.axis_index(context_axes) * chunk, chunk)
         out, new_cache = attend(q, k, v, metadata, cache, impl=impl, **options)
         return out, new_cache
 
     rows = ("batch", "length", "heads", "head_dim")
-    new_kv = ("batch", "length", "kv_heads", "head_dim")
+    new_kv = ("batch", None, "kv_heads", "head_dim")  # every new key on each device (gathered over context)
 
     def pool(x: jax.Array) -> tuple[str | None, ...]:  # [blocks, block size, KV heads, D] and scales
         return (None, None, "kv_heads", "head_dim")[: x.ndim]

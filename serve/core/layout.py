@@ -43,6 +43,7 @@ class CoreLayout:
     attn_impl: str = "xla"  # resolved: pallas | xla | cpu | reference
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1  # enable_expert_parallel resolved
+    context_parallel_size: int = 1  # devices a step's tokens are split over
     scan_layers: bool = True
     token_buckets: tuple[int, ...] = ()  # tokens a step pads to
     seq_buckets: tuple[int, ...] = ()  # rows a decode-only step pads to
@@ -76,6 +77,7 @@ def resolve(
         raise ValueError(
             f"EngineArgs.expert_parallel_size ({ep}) must divide the model's num_experts ({cfg.num_experts})"
         )
+    check_context_parallel(args, cfg)
     if args.enable_lora and cfg.num_experts:
         raise ValueError("EngineArgs.enable_lora needs a dense model (adapters on a mixture of experts are not served)")
     budget = step_token_budget(args, max_model_len)
@@ -110,6 +112,7 @@ def resolve(
         attn_impl=attn_impl,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel_size=ep,
+        context_parallel_size=args.context_parallel_size,
         scan_layers=args.scan_layers,
         max_loras=args.max_loras if args.enable_lora else 0,
         max_lora_rank=args.max_lora_rank,
@@ -124,6 +127,21 @@ def resolve(
         # 16 pages a narrower table saves less than its compiled shapes cost at start-up.
         width_buckets=tuple(buckets(max_blocks, min(16, max_blocks), factor=4)),
     )
+
+
+def check_context_parallel(args: EngineArgs, cfg: ModelConfig) -> None:
+    """context_parallel_size > 1 needs a dense model and a mesh (x tensor_parallel_size) that divides
+    the devices; else a ValueError naming the argument."""
+    cp, devices = args.context_parallel_size, len(jax.devices())
+    if cp == 1:
+        return
+    if cfg.num_experts:
+        raise ValueError(f"EngineArgs.context_parallel_size ({cp}) needs a dense model (this is a mixture of experts)")
+    if devices % (cp * args.tensor_parallel_size):
+        raise ValueError(
+            f"EngineArgs.context_parallel_size ({cp}) x tensor_parallel_size ({args.tensor_parallel_size}) "
+            f"must divide the {devices} devices"
+        )
 
 
 def blocks_from_memory(cfg: ModelConfig, args: EngineArgs, step_tokens: int, draft: ModelConfig | None = None) -> int:

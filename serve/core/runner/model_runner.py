@@ -110,12 +110,13 @@ class ModelRunner:
             kv_storage_dtype(layout.kv_cache_dtype, cfg.dtype),
             num_layers=cfg.num_layers,
         )
-        # expert_parallel_size > 1: an MoE model's experts split whole over that many devices (tp_ep)
-        tp, ep = layout.tensor_parallel_size, layout.expert_parallel_size
+        # expert_parallel_size > 1: an MoE model's experts split whole over that many devices (tp_ep);
+        # context_parallel_size > 1: each step's tokens split over that many (the rules' `length`)
+        tp, ep, cp = layout.tensor_parallel_size, layout.expert_parallel_size, layout.context_parallel_size
         rules = get_rules("tp_ep" if ep > 1 else "tp")
         mesh = None
-        if max(tp, ep) > 1:  # weights and KV pools split over KV heads
-            mesh = tensor_parallel_mesh(tp, cfg.num_kv_heads, ep)
+        if max(tp, ep, cp) > 1:  # weights and KV pools split over KV heads (replicated over context)
+            mesh = tensor_parallel_mesh(tp, cfg.num_kv_heads, ep, cp)
             state = shard_state(state, mesh, rules.params)
             axes = (None, None, None, "kv_heads", "head_dim")
             self.kv_cache = jax.tree.map(

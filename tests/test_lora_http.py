@@ -32,7 +32,7 @@ KEY, USER_KEY = "operator-key", "user-key"
 SHORT, LONG = 8, 200  # tokens: answers, and the streams that run while adapters come and go
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
 PROMPTS = prompts([12, 20, 7], seed=3)
-RANKS = {"sql": 4, "chat": 8, "doomed": 2, "late": 6}
+RANKS = {"sql": 4, "chat": 8, "doomed": 2, "late": 6, "extra": 8}
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,16 @@ def test_model_field_selects_the_adapter_as_offline(client, offline, adapters):
     assert client.responses.create(model="sql", input="Hi", max_output_tokens=4).model == "sql"
 
 
+def served(client: openai.OpenAI) -> list[str]:
+    """/v1/models' ids: the base model, then the adapters (in the order loaded; the tests run in any order,
+    each leaving the three of --lora-modules served, so callers compare the adapters as a set)."""
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == MODEL_NAME
+    return ids[1:]
+
+
 def test_models_lists_the_adapters(server, client, adapters):
-    assert [m.id for m in client.models.list().data] == [MODEL_NAME, "sql", "chat", "doomed"]
+    assert set(served(client)) == {"sql", "chat", "doomed"}
     cards = {m["id"]: m for m in httpx.get(f"{server[0]}/v1/models", headers={"x-api-key": KEY}).json()["data"]}
     assert cards["sql"]["root"] == adapters["sql"] and cards["sql"]["parent"] == MODEL_NAME
     assert cards["chat"]["root"] == adapters["chat"] and cards["chat"]["parent"] == "tiny-base"
@@ -130,8 +138,9 @@ def test_unknown_model_is_a_404_naming_it(client):
 
 def test_load_and_unload_at_run_time(server, client, offline, adapters):
     url, app = server
-    assert admin(url, "load_lora_adapter", {"lora_name": "late", "lora_path": adapters["late"]}).status_code == 200
-    assert "late" in [m.id for m in client.models.list().data]
+    loaded = admin(url, "load_lora_adapter", {"lora_name": "late", "lora_path": adapters["late"]})
+    assert loaded.status_code == 200, loaded.text
+    assert "late" in served(client)
     assert complete(client, "late", PROMPTS[1]) == reference(offline, adapters, "late", PROMPTS[1], SHORT)
     lora_id = app.state.server.loras.get("late").lora_int_id
     assert lora_id in call(app, "list_loras")
@@ -150,12 +159,12 @@ def test_load_and_unload_at_run_time(server, client, offline, adapters):
         r = admin(url, "load_lora_adapter", body)
         assert r.status_code == 400, body
         assert re.search(message, r.json()["error"]["message"]), (body, r.json())
-    assert [m.id for m in client.models.list().data] == [MODEL_NAME, "sql", "chat", "doomed", "late"]
+    assert set(served(client)) == {"sql", "chat", "doomed", "late"}
 
     assert admin(url, "unload_lora_adapter", {"lora_name": "late"}).status_code == 200
     with pytest.raises(openai.NotFoundError, match="'late' does not exist"):
         complete(client, "late", PROMPTS[1])
-    assert "late" not in [m.id for m in client.models.list().data]
+    assert "late" not in served(client)
     assert lora_id not in call(app, "list_loras")  # nothing ran with it: forgotten at once
     again = admin(url, "unload_lora_adapter", {"lora_name": "late"})
     assert again.status_code == 404 and again.json()["error"]["message"] == "The lora adapter 'late' cannot be found."
@@ -176,9 +185,10 @@ def test_the_admin_routes_need_the_operators_key(server, client):
 
 
 def test_load_and_unload_under_load(server, client, offline, adapters):
-    """Streams of two adapters, the base model and "doomed" run while "late" is loaded and "doomed"
+    """Streams of two adapters, the base model and "doomed" run while "extra" is loaded and "doomed"
     unloaded: every stream gives its whole offline answer, "doomed"'s included (requests already sent
-    finish with their adapter), and the core forgets "doomed" once its stream is over."""
+    finish with their adapter), and the core forgets "doomed" once its stream is over; it can be loaded
+    again (as the other tests expect it)."""
     url, app = server
     jobs = [("sql", 0), ("doomed", 1), (MODEL_NAME, 2), ("chat", 1)]
     started = [threading.Event() for _ in jobs]
@@ -202,14 +212,19 @@ def test_load_and_unload_under_load(server, client, offline, adapters):
         assert not futures[1].done()
         assert admin(url, "unload_lora_adapter", {"lora_name": "doomed"}).status_code == 200
         assert doomed in call(app, "list_loras")  # its stream still runs with it
-        assert admin(url, "load_lora_adapter", {"lora_name": "late", "lora_path": adapters["late"]}).status_code == 200
-        assert complete(client, "late", PROMPTS[0]) == reference(offline, adapters, "late", PROMPTS[0], SHORT)
+        assert (
+            admin(url, "load_lora_adapter", {"lora_name": "extra", "lora_path": adapters["extra"]}).status_code == 200
+        )
+        assert complete(client, "extra", PROMPTS[0]) == reference(offline, adapters, "extra", PROMPTS[0], SHORT)
         with pytest.raises(openai.NotFoundError, match="'doomed' does not exist"):
             complete(client, "doomed", PROMPTS[0])
         results = [f.result(timeout=300) for f in futures]
     for (name, p), tokens in zip(jobs, results):
         assert tokens == reference(offline, adapters, name, PROMPTS[p], LONG), name
     assert eventually(lambda: doomed not in call(app, "list_loras"))
+    assert admin(url, "unload_lora_adapter", {"lora_name": "extra"}).status_code == 200
+    assert admin(url, "load_lora_adapter", {"lora_name": "doomed", "lora_path": adapters["doomed"]}).status_code == 200
+    assert complete(client, "doomed", PROMPTS[1]) == reference(offline, adapters, "doomed", PROMPTS[1], SHORT)
 
 
 def test_lora_module_flags(capsys):

@@ -60,10 +60,12 @@ class ServingLora(OpenAIServing):
             body: Any = await request.json()
         except ValueError as e:
             raise OpenAIError(400, f"the body must be JSON: {e}") from e
-        values = [body.get(f) if isinstance(body, dict) else None for f in fields]
-        for field, value in zip(fields, values):
+        values: list[str] = []
+        for field in fields:
+            value = body.get(field) if isinstance(body, dict) else None
             if not isinstance(value, str) or not value:
                 raise OpenAIError(400, f"{field} must be a non-empty string", param=field)
+            values.append(value)
         return values
 
     async def load(self, request: Request) -> PlainTextResponse:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -101,3 +103,13 @@ def test_embeddings_benchmark_quick(tmp_path):
     result = json.loads((tmp_path / "embeddings.json").read_text())
     assert result["min_cosine"] >= 0.9999 and result["ours_per_s"] > 0 and result["sentence_transformers_per_s"] > 0
     assert "ratio" in r.stdout
+
+
+@pytest.mark.slow
+def test_multi_lora_benchmark_quick(tmp_path):
+    r = _run_quick("multi_lora", tmp_path)
+    result = json.loads((tmp_path / "multi_lora.json").read_text())
+    rates = result["throughput"]["tokens_per_s"]
+    assert len(rates) == 3 and all(rate > 0 for rate in rates.values())
+    assert result["load"]["read_s"] > 0 and result["load"]["to_slot_s"] > 0
+    assert "adapters / base" in r.stdout

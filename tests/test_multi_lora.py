@@ -4,19 +4,15 @@ model gives, greedily, each adapter's output merged into the weights; fewer slot
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
 import jaxinfra
-from jaxinfra.lora import LoraConfig, add_lora, lora_layers, merge_lora, save_peft
+from jaxinfra.lora import merge_lora
 from serve import LLM, EngineArgs, LoRARequest, SamplingParams
+from tests.lora_helpers import ATTENTION, MLP, save_adapter
 from tests.serve_helpers import ENGINE_DEFAULTS, PRESET, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 # (rank, target modules) of the 8 adapters
 SPECS = [
     (8, ATTENTION + MLP),
@@ -33,13 +29,7 @@ PROMPTS = prompts([5, 19, 11, 26, 8, 14, 30, 9, 17], seed=7)  # the last runs on
 
 def _adapter(path, seed: int, rank: int, targets: tuple[str, ...]) -> list[int]:
     """Save a random PEFT adapter at `path`; the greedy output of PROMPTS[seed] with it merged."""
-    model = add_lora(jaxinfra.load_model(PRESET), LoraConfig(rank, 2.0 * rank, 0.0, targets), nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for _, w in lora_layers(model):
-        w.lora_a.value = jnp.asarray(0.15 * rng.standard_normal(w.lora_a.shape), w.lora_a.dtype)
-        w.lora_b.value = jnp.asarray(0.15 * rng.standard_normal(w.lora_b.shape), w.lora_b.dtype)
-    save_peft(model, path)
-    merged = merge_lora(model)
+    merged = merge_lora(save_adapter(path, seed, rank, targets))
     config = jaxinfra.GenerationConfig(max_new_tokens=GREEDY.max_tokens, stop_at_eos=False)
     return jaxinfra.generate(merged, [PROMPTS[seed]], config)[0]
 

@@ -87,6 +87,7 @@ class EngineCore:
         self.step_time = self.step_wait = 0.0  # the last step's wall time and time spent waiting for the device
         self.applied_step = -1  # the last step id whose results were applied
         self.loop_stream = stream
+        self.retiring_loras: set[int] = set()  # removed adapters that requests still run with
 
     # --- LoRA adapters ----------------------------------------------------------------------------
     def add_lora(self, request: LoRARequest) -> bool:
@@ -98,8 +99,29 @@ class EngineCore:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter's host copy and slot (running sequences reload it); whether it was known."""
-        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+        """Forget an adapter's host copy and slot; whether it was known. Requests already queued or running
+        with it finish with it: it is forgotten when the last of them leaves (so its folder may go now)."""
+        if self.runner.lora is None:
+            return False
+        if lora_int_id in self._lora_users():
+            self.retiring_loras.add(lora_int_id)
+            return True
+        return self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The lora_int_ids of the adapters the core holds (in host memory or a slot; vLLM's list_loras)."""
+        lora = self.runner.lora
+        return sorted({*lora.host, *lora.slot_of}) if lora is not None else []
+
+    def _lora_users(self) -> set[int]:
+        """The adapters of the requests in the core."""
+        return {r.request.lora_request.lora_int_id for r in self.requests.values() if r.request.lora_request}
+
+    def _retire_loras(self) -> None:
+        """Forget the removed adapters whose last request has left."""
+        for lora_int_id in self.retiring_loras - self._lora_users():
+            self.retiring_loras.discard(lora_int_id)
+            self.remove_lora(lora_int_id)
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest, matchers: list[Matcher] | None = None) -> None:
@@ -195,6 +217,8 @@ class EngineCore:
             self.kv_transfer.after_step(kv_meta)
         while len(self.inflight) > keep:
             self._update(self.inflight.popleft(), outputs)
+        if self.retiring_loras:
+            self._retire_loras()
         self.step_time = time.perf_counter() - start
         return list(outputs.values())
 
@@ -278,6 +302,9 @@ class EngineCore:
             "memory": lambda: memory_breakdown(self.runner.weights, self.runner.kv_cache),
             "update_weights_from_disk": self.update_weights_from_disk,
             "pool": self.pool,
+            "add_lora": lambda name, lora_int_id, path: self.add_lora(LoRARequest(name, lora_int_id, path)),
+            "remove_lora": self.remove_lora,
+            "list_loras": self.list_loras,
         }
         if method not in calls:
             raise ValueError(f"unknown utility call {method!r}")

@@ -29,7 +29,7 @@ from serve.engine.grammar_check import GrammarChecker
 from serve.engine.input_processor import InputProcessor, Prompt
 from serve.engine.output_processor import OutputProcessor, RequestIteration
 from serve.sampling_params import SamplingParams
-from serve.types import AbortRequests, EngineCoreOutputs, RequestOutput, SchedulerStats
+from serve.types import AbortRequests, EngineCoreOutputs, LoRARequest, RequestOutput, SchedulerStats
 
 log = logging.getLogger("jaxinfra.serve")
 IterationHook = Callable[[list[RequestIteration], SchedulerStats | None], None]
@@ -150,9 +150,10 @@ class AsyncEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         tenant: str = "",
         weight: float = 1.0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Check and queue a request (ValueError for bad input, EngineDeadError if the core is gone);
-        returns the stream of its outputs."""
+        returns the stream of its outputs. `lora_request`: the adapter it runs with (None: the base model)."""
         if not self.healthy:
             raise EngineDeadError(self.error or "the engine core process is not running")
         if request_id in self.streams:
@@ -170,6 +171,7 @@ class AsyncEngine:
             grammar_checked=params.structured_outputs is not None,
             tenant=tenant,
             weight=weight,
+            lora_request=lora_request,
         )
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
@@ -213,7 +215,7 @@ class AsyncEngine:
             self._send_later(AbortRequests([request_id]))
 
     async def call(self, method: str, *args: Any) -> Any:
-        """A utility call on the core ("stats", "check_invariants", "reset_prefix_cache")."""
+        """A utility call on the core ("stats", "check_invariants", "reset_prefix_cache", "add_lora", ...)."""
         if not self.healthy:
             raise EngineDeadError(self.error or "the engine core process is not running")
         self.start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from fastapi import FastAPI
 
@@ -17,11 +17,14 @@ from serve.engine.async_engine import AsyncEngine
 from serve.http.auth import OPEN_PATHS, AuthMiddleware, KeyRing
 from serve.http.body_limit import BodyLimit, default_body_limit
 from serve.http.errors import add_error_handlers
+from serve.http.lora_modules import LoRAModulePath
 from serve.http.metrics import ServerMetrics
 from serve.http.middleware import MIDDLEWARE
+from serve.http.openai_protocol import OpenAIError
 from serve.http.serving_base import OpenAIServing
 from serve.http.serving_chat import ServingChat
 from serve.http.serving_completion import ServingCompletion
+from serve.http.serving_lora import ServingLora, load_adapter
 from serve.http.serving_models import ServingModels
 from serve.http.serving_pooling import ServingPooling
 from serve.http.serving_responses import ServingResponses
@@ -40,6 +43,7 @@ SERVING_CLASSES: tuple[type[OpenAIServing], ...] = (
     ServingStatus,
     ServingWeights,
     ServingPooling,
+    ServingLora,
 )
 
 
@@ -54,12 +58,15 @@ def build_app(
     request_timeout: float | None = None,
     max_request_body_bytes: int | None = None,
     metrics: ServerMetrics | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """The FastAPI app over a running AsyncEngine (its metrics hook should feed `metrics`).
     `api_key` and `api_keys` (digest -> tenant, from --api-keys-file) are the keys every route but
     /health, /version, /ping and (unless `protect_metrics`) /metrics needs; `max_queue`: sequences
     admitted beyond max_num_seqs before a 429; `request_timeout`: seconds; `max_request_body_bytes`:
-    bodies past it are 413s (default: body_limit.default_body_limit of the model's context)."""
+    bodies past it are 413s (default: body_limit.default_body_limit of the model's context);
+    `lora_modules`: adapters served by name from the start (--lora-modules; one that cannot be served
+    fails the start-up with the reason)."""
     metrics = metrics or ServerMetrics(model_name)
     if engine.on_iteration is None:
         engine.on_iteration = metrics.observe
@@ -70,6 +77,12 @@ def build_app(
     async def lifespan(application: FastAPI) -> AsyncIterator[None]:
         application.state.loop = asyncio.get_running_loop()  # for callers on other threads (tests)
         engine.start()  # watch the core from now on, requests or not
+        for module in lora_modules:
+            try:
+                await load_adapter(state, module)
+            except OpenAIError as e:
+                engine.shutdown()
+                raise ValueError(f"--lora-modules {module.name}: {e.message}") from None
         gc.collect()
         gc.freeze()  # the start-up heap is never garbage: full collections skip it (as vLLM's server)
         try:

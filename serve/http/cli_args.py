@@ -22,6 +22,7 @@ from jaxinfra.yaml_config import load_config
 from serve.config import EngineArgs
 from serve.engine.async_engine import DEFAULT_RESTART_ATTEMPTS
 from serve.engine.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S
+from serve.http.lora_modules import LoRAModulePath, parse_lora_module
 from serve.http.tool_parsers import TOOL_PARSERS
 from serve.scale.autoscale_args import add_autoscale_args
 
@@ -71,6 +72,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         else:  # int, float, str; anything else is read as YAML
             kind = parse_size if f.name in SIZE_FIELDS else hint if hint in (int, float, str) else yaml.safe_load
             group.add_argument(*names, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_)
+
+
+def lora_module(text: str) -> LoRAModulePath:
+    """One --lora-modules entry (argparse reports a bad one under the flag's name)."""
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-prefix",
         default="jaxinfra",
         help="the metric names' prefix on /metrics: 'vllm' gives vLLM's names, for its dashboards and alerts",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        type=lora_module,
+        metavar="NAME=PATH",
+        help="with --enable-lora: adapters served by name from the start, as name=path or vLLM's JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request\'s "model" picks one (put key=value '
+        "overrides before this flag)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip compiling all batch shapes at start")
     p.add_argument("--ray", action="store_true", help="serve --replicas engines on Ray Serve with prefix-aware routing")

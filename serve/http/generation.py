@@ -108,6 +108,8 @@ class Generation:
         self.state, self.req, self.prompts, self.echo = state, req, prompts, echo
         self.echo_only = echo is not None and requested_max == 0  # max_tokens 0: the prompt alone
         chat = isinstance(req, ChatCompletionRequest)
+        self.lora = state.resolve_model(req.model)  # the adapter the call runs with (None: the base model)
+        self.model_name = self.lora.lora_name if self.lora is not None else state.model_name
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.ids = [f"{self.id}-{i}" for i in range(len(prompts))]
         kind: OutputKind = "delta" if req.stream else "final_only"
@@ -119,6 +121,8 @@ class Generation:
             ]
         except (ValueError, TypeError) as e:
             raise bad_request(e) from e
+        if self.lora is not None and req.use_beam_search:
+            raise OpenAIError(400, "use_beam_search with a LoRA adapter is not supported", param="model")
         if state.engine.args.lenient_json_schemas():  # the server's default for schemas whose request left it
             self.params = [lenient(p) for p in self.params]
         if echo is not None and logprobs is not None:  # echoed tokens carry their logprobs too
@@ -150,7 +154,8 @@ class Generation:
         try:
             for rid, prompt, params in zip(self.ids, self.prompts, self.params):
                 self.state.metrics.start_request(rid, len(prompt), params, tenant)
-                streams.append(await self.state.engine.add_request(rid, prompt, params, **options))
+                stream = await self.state.engine.add_request(rid, prompt, params, lora_request=self.lora, **options)
+                streams.append(stream)
         except BaseException as e:
             for s in streams:
                 await s.aclose()

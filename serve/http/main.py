@@ -40,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.replicas < 1 or (args.replicas > 1 and not args.ray):
             raise ValueError(f"--replicas must be 1, or at least 1 with --ray, got {args.replicas}")
         pool = pool_config_from(args)
+        if args.lora_modules and not engine_args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         engine = (
             None
             if args.ray
@@ -63,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
+        lora_modules=args.lora_modules,
     )
     if engine is None:
         from serve.scale.ray_app import ReplicaSpec, run

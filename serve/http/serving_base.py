@@ -21,7 +21,7 @@ from serve.http.openai_protocol import ChatMessage, OpenAIError, _Common
 from serve.http.prompt_bound import surely_too_long
 from serve.http.state import ServerState
 from serve.http.tenants import NeverFits, QuotaExceeded
-from serve.types import CompletionOutput, Logprobs, RequestOutput
+from serve.types import CompletionOutput, Logprobs, LoRARequest, RequestOutput
 
 
 def sse(body: dict[str, Any]) -> str:
@@ -40,10 +40,9 @@ class OpenAIServing(abc.ABC):
     def router(self) -> APIRouter:
         """The routes this class serves."""
 
-    def check_model(self, model: str | None) -> None:
-        """A 404 unless `model` is absent or the served model's name."""
-        if model is not None and model != self.state.model_name:
-            raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: absent or the base model's name); a 404 for any other name."""
+        return self.state.resolve_model(model)
 
     def render_chat(
         self,
@@ -109,7 +108,7 @@ class GenerationServing(OpenAIServing):
 
     def envelope(self, gen: Generation, object_: str) -> dict[str, Any]:
         """The fields every response body and stream chunk starts with."""
-        return {"id": gen.id, "object": object_, "created": int(time.time()), "model": self.state.model_name}
+        return {"id": gen.id, "object": object_, "created": int(time.time()), "model": gen.model_name}
 
     def check_never_runs(self, req: _Common, prompts: int) -> None:
         """A 400 for a call of `prompts` prompts that can never run: more sequences a prompt (n, best_of

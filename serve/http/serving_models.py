@@ -1,5 +1,5 @@
-"""GET /health (and vLLM's GET and POST /ping), /metrics, /v1/models and /version: what is served and
-whether it is up."""
+"""GET /health (and vLLM's GET and POST /ping), /metrics, /v1/models (the base model and its LoRA adapters)
+and /version: what is served and whether it is up."""
 
 from __future__ import annotations
 
@@ -37,34 +37,37 @@ class ServingModels(OpenAIServing):
         return {"version": importlib.metadata.version("jaxinfra")}
 
     async def models(self) -> dict[str, Any]:
+        """The base model, then each LoRA adapter served (vLLM's cards: root its folder, parent its base)."""
         state = self.state
+        cards = [self._card(state.model_name, self.engine.args.model, None)]
+        for name, adapter in state.loras.adapters.items():
+            cards.append(self._card(name, adapter.request.lora_path, adapter.base_model_name))
+        return {"object": "list", "data": cards}
+
+    def _card(self, model_id: str, root: str, parent: str | None) -> dict[str, Any]:
+        created = self.state.created
         return {
-            "object": "list",
-            "data": [
+            "id": model_id,
+            "object": "model",
+            "created": created,
+            "owned_by": "jaxinfra",
+            "root": root,
+            "parent": parent,
+            "max_model_len": self.engine.max_model_len,
+            "permission": [
                 {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "jaxinfra",
-                    "root": self.engine.args.model,
-                    "parent": None,
-                    "max_model_len": self.engine.max_model_len,
-                    "permission": [
-                        {
-                            "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, state.model_name).hex}",
-                            "object": "model_permission",
-                            "created": state.created,
-                            "allow_create_engine": False,
-                            "allow_sampling": True,
-                            "allow_logprobs": True,
-                            "allow_search_indices": False,
-                            "allow_view": True,
-                            "allow_fine_tuning": False,
-                            "organization": "*",
-                            "group": None,
-                            "is_blocking": False,
-                        }
-                    ],
+                    "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, model_id).hex}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
                 }
             ],
         }

@@ -43,8 +43,9 @@ class ServingPooling(OpenAIServing):
         )
 
     def _task(self, model: str | None, route: str, tasks: tuple[str, ...]) -> PoolingSpec:
-        """The spec, after the model check; a 400 when this server cannot serve `route`."""
-        self.check_model(model)
+        """The spec, after the model check; a 400 when this server cannot serve `route` (or a LoRA adapter)."""
+        if self.check_model(model) is not None:
+            raise OpenAIError(400, f"{route} runs the base model: LoRA adapters serve generation only", param="model")
         if self.spec is None:
             raise OpenAIError(400, f"{route} needs a pooling model: start the server with --runner pooling")
         if self.spec.task not in tasks:

@@ -165,7 +165,7 @@ class ResponseGeneration(ChatGeneration):
             "id": self.response_id,
             "object": "response",
             "created_at": self.created_at,
-            "model": self.state.model_name,
+            "model": self.model_name,
             "status": status,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,

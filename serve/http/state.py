@@ -7,9 +7,12 @@ import time
 from serve.engine.async_engine import AsyncEngine
 from serve.http.auth import KeyRing
 from serve.http.drain import Drain
+from serve.http.lora_modules import LoraRegistry
 from serve.http.metrics import ServerMetrics
+from serve.http.openai_protocol import OpenAIError
 from serve.http.tenants import TenantQuotas
 from serve.http.tool_parsers import ToolConfig
+from serve.types import LoRARequest
 
 
 class ServerState:
@@ -35,6 +38,17 @@ class ServerState:
         self.in_flight = 0
         self.tools = ToolConfig()  # --tool-call-parser, --enable-auto-tool-choice
         self.created = int(time.time())
+        self.loras = LoraRegistry(model_name)  # --lora-modules and /v1/load_lora_adapter's adapters
+
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: absent or the base model); a 404 naming it when no
+        model of that name is served."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            raise OpenAIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        return lora
 
     def token_text(self, token: int) -> str:
         tok = self.engine.tokenizer

@@ -1,12 +1,14 @@
 """Multi-LoRA serving on the embedded default model (offline LLM engine, runs on CPU):
 
-1. decode throughput of 64 sequences, each with its own adapter (64 adapters of rank `--rank` on every
-   projection, max_loras 64), against the same 64 sequences on an engine without LoRA, and on the LoRA
-   engine with no adapter (what enabling LoRA costs by itself); the runs alternate, medians reported;
+1. decode throughput of 64 sequences, each with its own adapter (64 adapters of rank `--rank` on the
+   `--lora-target-modules` projections, all by default, which the engine's lora_target_modules matches;
+   max_loras 64), against the same 64 sequences on an engine without LoRA, and on the LoRA engine with
+   no adapter (what enabling LoRA costs by itself); the runs alternate, medians reported;
 2. adapter load time: a PEFT folder read into host memory, copied into a device slot, and (with --http)
    POST /v1/load_lora_adapter on a running server, which does the read in its engine core.
 
-python -m benchmarks.multi_lora [--rank 8] [--tokens 128] [--repeats 3] [--http] [--quick] [--out benchmarks/out]
+python -m benchmarks.multi_lora [--rank 8] [--tokens 128] [--repeats 3] [--lora-target-modules q_proj,v_proj]
+    [--http] [--quick] [--out benchmarks/out]
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ from flax import nnx
 import jaxinfra
 from jaxinfra.loading import DEFAULT_MODEL
 from jaxinfra.lora import LoraConfig, add_lora, lora_layers, save_peft
+from jaxinfra.lora.config import TARGET_MODULES
 from serve import LLM, EngineArgs, LoRARequest, SamplingParams
 from serve.core.lora import AdapterSlots, read_adapter
 from serve.core.sequence import Sequence
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT_LEN = 16
 
 
-def make_adapters(root: Path, count: int, rank: int) -> list[LoRARequest]:
-    """`count` PEFT adapters of `rank` on every projection of the default model, random A and B."""
-    model = add_lora(jaxinfra.load_model(DEFAULT_MODEL), LoraConfig(rank, 2.0 * rank, 0.0, TARGETS), nnx.Rngs(0))
+def make_adapters(root: Path, count: int, rank: int, targets: tuple[str, ...]) -> list[LoRARequest]:
+    """`count` PEFT adapters of `rank` on the `targets` projections of the default model, random A and B."""
+    model = add_lora(jaxinfra.load_model(DEFAULT_MODEL), LoraConfig(rank, 2.0 * rank, 0.0, targets), nnx.Rngs(0))
     rng = np.random.default_rng(0)
     requests = []
     for i in range(count):
@@ -53,7 +55,7 @@ def make_adapters(root: Path, count: int, rank: int) -> list[LoRARequest]:
     return requests
 
 
-def engine_args(seqs: int, tokens: int, lora: bool, rank: int) -> dict:
+def engine_args(seqs: int, tokens: int, lora: bool, rank: int, targets: tuple[str, ...] = TARGET_MODULES) -> dict:
     """configs/serve/cpu.yaml's step settings for `seqs` sequences of PROMPT_LEN + `tokens` tokens."""
     blocks = seqs * -(-(PROMPT_LEN + tokens) // 16) + 16
     args = dict(
@@ -67,7 +69,8 @@ def engine_args(seqs: int, tokens: int, lora: bool, rank: int) -> dict:
         scan_layers=False,
         enable_prefix_caching=False,
     )
-    return {**args, "enable_lora": True, "max_loras": seqs, "max_lora_rank": rank} if lora else args
+    lora_args = {"enable_lora": True, "max_loras": seqs, "max_lora_rank": rank, "lora_target_modules": targets}
+    return {**args, **lora_args} if lora else args
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | None], tokens: int, tag: str) -> float:
@@ -89,11 +92,13 @@ def decode_rate(llm: LLM, prompts: list[list[int]], loras: list[LoRARequest | No
     return (sum(made.values()) - start_tokens) / seconds
 
 
-def throughput(requests: list[LoRARequest], seqs: int, tokens: int, rank: int, repeats: int) -> dict:
+def throughput(
+    requests: list[LoRARequest], seqs: int, tokens: int, rank: int, repeats: int, targets: tuple[str, ...]
+) -> dict:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, 4096, PROMPT_LEN).tolist() for _ in range(seqs)]
     base = LLM(**engine_args(seqs, tokens, False, rank))
-    with_lora = LLM(**engine_args(seqs, tokens, True, rank))
+    with_lora = LLM(**engine_args(seqs, tokens, True, rank, targets))
     runs = {
         "base model, enable_lora off": (base, [None] * seqs),
         f"{seqs} adapters, one per sequence": (with_lora, requests[:seqs]),
@@ -116,16 +121,16 @@ def throughput(requests: list[LoRARequest], seqs: int, tokens: int, rank: int, r
     }
 
 
-def load_times(requests: list[LoRARequest], rank: int) -> dict:
+def load_times(requests: list[LoRARequest], rank: int, targets: tuple[str, ...]) -> dict:
     """Median seconds to read a PEFT folder into host memory, and to copy it into a free device slot
     (the first copy, which compiles, left out)."""
     cfg = jaxinfra.load_model(DEFAULT_MODEL).cfg
-    slots = AdapterSlots(cfg, len(requests), rank, len(requests))
+    slots = AdapterSlots(cfg, len(requests), rank, len(requests), targets)
     read, copy = [], []
     params = SamplingParams(max_tokens=1)
     for req in requests:
         t0 = time.perf_counter()
-        slots.host[req.lora_int_id] = read_adapter(req, cfg, rank)
+        slots.host[req.lora_int_id] = read_adapter(req, cfg, rank, targets)
         t1 = time.perf_counter()
         slots.slots([Sequence(req.lora_name, 0, [1], params, 0, None, (0, 0.0), "", 1.0, req)])
         jax.block_until_ready(slots.pools)
@@ -183,20 +188,25 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=64, help="sequences, each with its own adapter")
     p.add_argument("--tokens", type=int, default=128, help="output tokens a sequence")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--lora-target-modules", default="all", help="the adapters' projections and the engine's (comma-separated)"
+    )
     p.add_argument("--http", action="store_true", help="also time the load route on a running server")
     p.add_argument("--quick", action="store_true", help="4 sequences of 8 tokens, one repeat (a smoke run)")
     p.add_argument("--out", default="benchmarks/out")
     a = p.parse_args()
     if a.quick:
         a.seqs, a.tokens, a.repeats = 4, 8, 1
+    targets = EngineArgs(lora_target_modules=a.lora_target_modules).lora_modules()
     with tempfile.TemporaryDirectory() as tmp:
-        requests = make_adapters(Path(tmp), a.seqs, a.rank)
+        requests = make_adapters(Path(tmp), a.seqs, a.rank, targets)
         result = {
             "rank": a.rank,
+            "lora_target_modules": list(targets),
             "seqs": a.seqs,
             "tokens": a.tokens,
-            "throughput": throughput(requests, a.seqs, a.tokens, a.rank, a.repeats),
-            "load": load_times(requests, a.rank),
+            "throughput": throughput(requests, a.seqs, a.tokens, a.rank, a.repeats, targets),
+            "load": load_times(requests, a.rank, targets),
         }
         if a.http:
             result["http"] = http_load_times(requests[: min(8, a.seqs)], a.rank)
@@ -204,7 +214,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "multi_lora.json").write_text(json.dumps(result, indent=2))
     t = result["throughput"]
-    print(f"\ndecode, {a.seqs} sequences x {a.tokens} tokens, rank {a.rank}:")
+    print(f"\ndecode, {a.seqs} sequences x {a.tokens} tokens, rank {a.rank} on {','.join(targets)}:")
     for name, rate in t["tokens_per_s"].items():
         print(f"  {name:40s} {rate:9.0f} tokens/s")
     print(f"  adapters / base: {t['ratio_adapters_vs_base']:.2f}x (target >= 0.8x)")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxinfra.config import DTYPES as MODEL_DTYPES
 from jaxinfra.loading import DEFAULT_MODEL, QUANTIZATION_CHOICES
+from jaxinfra.lora.config import TARGET_MODULES
 from jaxinfra.yaml_config import load_config
 from pallas_kernels import BLOCK_SIZES, PAGED_IMPLS
 from serve.core.pooling.config import CONVERTS, RUNNERS, PoolerConfig, engine_pooling_spec
@@ -143,6 +144,9 @@ class EngineArgs:
     """With enable_lora: the largest adapter rank (the slots' size; an adapter of a larger rank is refused)."""
     max_cpu_loras: int | None = None
     """With enable_lora: adapters kept in host memory, least recently used dropped (default: max_loras)."""
+    lora_target_modules: str | tuple[str, ...] = "all"
+    """With enable_lora (SGLang's name): the projections adapters may wrap, comma-separated (q_proj,v_proj)
+    or all; the device slots hold only these and deltas run only on them, an adapter wrapping another is refused."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -219,6 +223,7 @@ class EngineArgs:
             raise bad("expert_parallel_size", f"must be a multiple of tensor_parallel_size ({tp})")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise bad("max_cpu_loras", f"must be >= max_loras ({self.max_loras}) or None")
+        self.lora_modules()
         if self.enable_lora and self.speculative_config is not None:
             raise bad("speculative_config", "cannot be combined with enable_lora (not supported yet)")
         if self.enable_lora and tp > 1:
@@ -244,6 +249,24 @@ class EngineArgs:
                     f"EngineArgs.context_parallel_size must be 1 with {name} (not supported yet), "
                     f"got {self.context_parallel_size}"
                 )
+
+    def lora_modules(self) -> tuple[str, ...]:
+        """lora_target_modules resolved to projection names in the model's order; a ValueError naming the
+        field for an unknown or empty one."""
+        value = self.lora_target_modules
+        names = value.split(",") if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"EngineArgs.lora_target_modules must be a string or a list of strings, got {value!r}")
+        wanted = {n.strip() for n in names} - {""}
+        if wanted == {"all"}:
+            return TARGET_MODULES
+        unknown = sorted(wanted - set(TARGET_MODULES))
+        if unknown or not wanted:
+            raise ValueError(
+                f"EngineArgs.lora_target_modules: unknown or no module(s) {unknown}; choose from "
+                f"{', '.join(TARGET_MODULES)} or all, got {value!r}"
+            )
+        return tuple(m for m in TARGET_MODULES if m in wanted)
 
     def expert_parallel(self) -> int:
         """Devices the experts are split over (1: none), enable_expert_parallel resolved."""

@@ -227,6 +227,24 @@ def test_load_and_unload_under_load(server, client, offline, adapters):
     assert complete(client, "doomed", PROMPTS[1]) == reference(offline, adapters, "doomed", PROMPTS[1], SHORT)
 
 
+def test_a_server_refuses_adapters_outside_its_target_modules(adapters, tmp_path):
+    save_adapter(tmp_path / "qv", 11, 4, ("q_proj", "v_proj"))
+    args = EngineArgs(**{**ENGINE_DEFAULTS, **LORA_ARGS, "lora_target_modules": "q_proj,v_proj"})
+    app = build_app(AsyncEngine(args, warmup=False), model_name=MODEL_NAME, api_key=KEY)
+    with serve_in_thread(app) as url:
+        r = admin(url, "load_lora_adapter", {"lora_name": "sql", "lora_path": adapters["sql"]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == (
+            "LoRA adapter 'sql' wraps k_proj, o_proj, gate_proj, up_proj, down_proj, outside the engine's "
+            "lora_target_modules (--lora-target-modules q_proj,v_proj)"
+        )
+        assert (
+            admin(url, "load_lora_adapter", {"lora_name": "qv", "lora_path": str(tmp_path / "qv")}).status_code == 200
+        )
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        assert len(complete(client, "qv", PROMPTS[0])) == SHORT
+
+
 def test_lora_module_flags(capsys):
     argv = [
         "--enable-lora",
@@ -240,6 +258,11 @@ def test_lora_module_flags(capsys):
     assert args.lora_modules == [LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y", "m")]
     engine = engine_args_from(args)
     assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (True, 4, 8, 6)
+    assert len(engine.lora_modules()) == 7  # default: all
+    targets = build_parser().parse_intermixed_args(["--lora-target-modules", "v_proj,q_proj"])
+    assert engine_args_from(targets).lora_modules() == ("q_proj", "v_proj")
+    with pytest.raises(ValueError, match=r"argument --lora-target-modules: unknown or no module\(s\) \['qkv'\]"):
+        engine_args_from(build_parser().parse_intermixed_args(["--lora-target-modules", "q_proj,qkv"]))
     for bad, why in (("nameonly", "must be name=path or a JSON object"), ('{"name": "b"}', "must have name and path")):
         with pytest.raises(SystemExit):
             build_parser().parse_intermixed_args(["--lora-modules", bad])

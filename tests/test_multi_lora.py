@@ -4,10 +4,14 @@ model gives, greedily, each adapter's output merged into the weights; fewer slot
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxinfra
 from jaxinfra.lora import merge_lora
+from jaxinfra.models.multi_lora import LoraPools, MultiLora
+from pallas_kernels import lora_apply
 from serve import LLM, EngineArgs, LoRARequest, SamplingParams
 from tests.lora_helpers import ATTENTION, MLP, save_adapter
 from tests.serve_helpers import ENGINE_DEFAULTS, PRESET, prompts
@@ -111,3 +115,42 @@ def test_lora_requests_need_enable_lora_and_valid_args(adapters, tmp_path):
     llm = LLM(**ENGINE_DEFAULTS)
     with pytest.raises(ValueError, match="'adapter-0' requested, but the engine runs without enable_lora"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=requests[0])
+
+
+def test_steps_without_adapters_skip_the_pools():
+    """A step whose tokens all run the base model never reads the pools (NaN here: any read would show),
+    so base-model batches pay no LoRA math; a mixed step adds each adapter token's delta, none elsewhere."""
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.standard_normal((1, 6, n)), jnp.float32) for n in (16, 24))
+    a = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.float32)
+    scaling = jnp.asarray([0.5, 1.0, 2.0])
+    nan = LoraPools({"q_proj": jnp.full_like(a, jnp.nan)}, {"q_proj": jnp.full_like(b, jnp.nan)}, scaling)
+    none = jnp.full((6,), -1, jnp.int32)
+    assert bool(jnp.array_equal(MultiLora.of(none, nan).add("q_proj", x, y), y))
+    mixed = jnp.asarray([2, -1, 0, -1, 1, 2], jnp.int32)
+    got = MultiLora.of(mixed, LoraPools({"q_proj": a}, {"q_proj": b}, scaling)).add("q_proj", x, y)
+    want = y[0] + lora_apply(x[0], a, b, scaling, slots=mixed)
+    np.testing.assert_allclose(got[0], want, rtol=1e-6)
+    assert bool(jnp.array_equal(got[0, 1], y[0, 1])) and not bool(jnp.allclose(got[0, 0], y[0, 0]))
+
+
+def test_target_modules_limit_the_slots_and_refuse_other_adapters(adapters):
+    """lora_target_modules q_proj,v_proj: slots hold only those; an adapter wrapping them answers as merged
+    beside the base model (and a batch without adapters as the base), one wrapping another is refused."""
+    requests, want, base = adapters
+    llm = _lora_llm(max_loras=2, lora_target_modules="q_proj,v_proj")
+    assert set(llm.engine.core.runner.lora.pools.a) == {"q_proj", "v_proj"}
+    outs = llm.generate([PROMPTS[1], PROMPTS[-1]], GREEDY, use_tqdm=False, lora_request=[requests[1], None])
+    assert [o.outputs[0].token_ids for o in outs] == [want[1], base]
+    assert llm.generate([PROMPTS[-1]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == base
+    with pytest.raises(
+        ValueError,
+        match=r"'adapter-2' wraps gate_proj, up_proj, down_proj, outside .*--lora-target-modules q_proj,v_proj",
+    ):
+        llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False, lora_request=requests[2])
+    assert EngineArgs(lora_target_modules=["v_proj", "q_proj"]).lora_modules() == ("q_proj", "v_proj")
+    assert len(EngineArgs(lora_target_modules="all").lora_modules()) == 7
+    for bad in ("qkv_proj", "", 3):
+        with pytest.raises(ValueError, match="EngineArgs.lora_target_modules"):
+            EngineArgs(lora_target_modules=bad)

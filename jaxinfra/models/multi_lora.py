@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import lora_apply
 
@@ -30,27 +30,39 @@ class LoraPools:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MultiLora:
-    """One forward pass's adapters: the slot of each token of the flat batch (-1: the base model)
-    and the pools, stacked over layers until `layer` picks one layer's."""
+    """One forward pass's adapters: the slot of each token of the flat batch (-1: the base model),
+    the pools, stacked over layers until `layer` picks one layer's, and whether any token has an
+    adapter (computed once per step by `of`: without one, every projection skips the adapter math)."""
 
     slots: Int[Array, " N"]
     pools: LoraPools
+    active: Bool[Array, ""]
+
+    @classmethod
+    def of(cls, slots: Int[Array, " N"], pools: LoraPools) -> MultiLora:
+        """The adapters of a step whose tokens use `slots`."""
+        return cls(slots, pools, jnp.any(slots >= 0))
 
     def layer(self, i: Int[Array, ""] | int) -> MultiLora:
         """The pools of decoder layer `i`: A [S, in, R] and B [S, R, out] per projection."""
         pick = lambda p: {m: w[i] for m, w in p.items()}
-        return MultiLora(self.slots, LoraPools(pick(self.pools.a), pick(self.pools.b), self.pools.scaling))
+        pools = LoraPools(pick(self.pools.a), pick(self.pools.b), self.pools.scaling)
+        return MultiLora(self.slots, pools, self.active)
 
     def add(self, module: str, x: Float[Array, "B T ..."], y: Float[Array, "B T ..."]) -> Float[Array, "B T ..."]:
         """y (x's projection by the base weight of `module`) plus each token's adapter delta; y itself
-        for a projection no pool holds. x and y are flattened past their two leading (batch, length) dims."""
+        for a projection no pool holds, or when no token has an adapter (the pools are not read: base-model
+        batches pay no LoRA math). x and y are flattened past their two leading (batch, length) dims."""
         if module not in self.pools.a:
             return y
         n = x.shape[0] * x.shape[1]
-        delta = lora_apply(
-            x.reshape(n, -1), self.pools.a[module], self.pools.b[module], self.pools.scaling, slots=self.slots
-        )
-        return y + delta.reshape(y.shape).astype(y.dtype)
+
+        def with_delta() -> jax.Array:
+            a, b = self.pools.a[module], self.pools.b[module]
+            delta = lora_apply(x.reshape(n, -1), a, b, self.pools.scaling, slots=self.slots)
+            return y + delta.reshape(y.shape).astype(y.dtype)
+
+        return jax.lax.cond(self.active, with_delta, lambda: y)
 
 
 def maybe_add(lora: MultiLora | None, module: str, x: jax.Array, y: jax.Array) -> jax.Array:

@@ -52,6 +52,7 @@ class CoreLayout:
     max_loras: int = 0  # adapter slots on the device (0: LoRA off)
     max_lora_rank: int = 16  # the slots' rank
     max_cpu_loras: int = 0  # adapters kept in host memory
+    lora_target_modules: tuple[str, ...] = ()  # the projections the slots hold
 
     @property
     def max_blocks(self) -> int:
@@ -117,6 +118,7 @@ def resolve(
         max_loras=args.max_loras if args.enable_lora else 0,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras or args.max_loras,
+        lora_target_modules=args.lora_modules(),
         # A prompt chunk beside the decodes pads to the next power of two (its matmuls cost what it pads
         # to; coarser buckets, x4, made 16 decodes + a 64-token prompt a 256-token step)
         token_buckets=tuple(buckets(budget, min(16, budget))),

@@ -47,9 +47,10 @@ def _hf_prefix(cfg: ModelConfig, layer: int, module: str) -> str:
     return "base_model.model." + tensor_map(path, cfg.model_type).hf_name.removesuffix(".weight")
 
 
-def read_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> HostAdapter:
+def read_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, modules: tuple[str, ...]) -> HostAdapter:
     """The adapter at `request.lora_path` for model `cfg`; a ValueError naming the adapter when its folder
-    is not a PEFT LoRA adapter, its rank exceeds `max_rank`, or a tensor is missing, extra or misshapen."""
+    is not a PEFT LoRA adapter, its rank exceeds `max_rank`, it wraps a projection outside `modules` (the
+    engine's lora_target_modules), or a tensor is missing, extra or misshapen."""
     name, directory = request.lora_name, Path(request.lora_path)
     try:
         lora = peft_config(directory)
@@ -58,6 +59,12 @@ def read_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> HostA
     if lora.rank > max_rank:
         raise ValueError(f"LoRA adapter {name!r} has rank {lora.rank}, above the engine's max_lora_rank ({max_rank})")
     shapes = module_shapes(cfg)
+    outside = [m for m in shapes if m in lora.target_modules and m not in modules]  # in the model's order
+    if outside:
+        raise ValueError(
+            f"LoRA adapter {name!r} wraps {', '.join(outside)}, outside the engine's lora_target_modules "
+            f"(--lora-target-modules {','.join(modules)})"
+        )
     a: dict[str, np.ndarray] = {}
     b: dict[str, np.ndarray] = {}
     with safe_open(str(directory / WEIGHTS_FILE), framework="numpy") as f:

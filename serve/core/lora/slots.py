@@ -27,12 +27,15 @@ def _write_slot(pools: LoraPools, slot: jax.Array, a: dict, b: dict, scaling: ja
 
 
 class AdapterSlots:
-    """`num_slots` adapter slots of rank `max_rank` on the device (`pools`), and up to `max_cpu_loras`
-    adapters in host memory; both keyed by lora_int_id, least recently used first out."""
+    """`num_slots` adapter slots of rank `max_rank` for projections `modules` on the device (`pools`), and
+    up to `max_cpu_loras` adapters in host memory; both keyed by lora_int_id, least recently used first out."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, max_cpu_loras: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, num_slots: int, max_rank: int, max_cpu_loras: int, modules: tuple[str, ...]
+    ) -> None:
         self.cfg, self.max_rank, self.max_cpu_loras = cfg, max_rank, max_cpu_loras
-        self.pools = empty_pools(module_shapes(cfg), cfg.num_layers, num_slots, max_rank, jnp.dtype(cfg.dtype))
+        self.shapes = {m: shape for m, shape in module_shapes(cfg).items() if m in modules}  # what the slots hold
+        self.pools = empty_pools(self.shapes, cfg.num_layers, num_slots, max_rank, jnp.dtype(cfg.dtype))
         self.host: collections.OrderedDict[int, HostAdapter] = collections.OrderedDict()
         self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # resident adapters, LRU first
         self.free = list(range(num_slots - 1, -1, -1))
@@ -42,7 +45,7 @@ class AdapterSlots:
         """The adapter in host memory, read from its folder if absent (a ValueError if it cannot be served)."""
         adapter = self.host.get(request.lora_int_id)
         if adapter is None or adapter.request != request:
-            adapter = read_adapter(request, self.cfg, self.max_rank)
+            adapter = read_adapter(request, self.cfg, self.max_rank, tuple(self.shapes))
             self.host[request.lora_int_id] = adapter
             while len(self.host) > self.max_cpu_loras:
                 self.host.popitem(last=False)
@@ -82,9 +85,8 @@ class AdapterSlots:
         else:
             slot = self.slot_of.pop(next(i for i in self.slot_of if i not in needed))
         layers, r = self.cfg.num_layers, adapter.rank
-        shapes = module_shapes(self.cfg)
-        a = {m: np.zeros((layers, n_in, self.max_rank), np.float32) for m, (n_in, _) in shapes.items()}
-        b = {m: np.zeros((layers, self.max_rank, n_out), np.float32) for m, (_, n_out) in shapes.items()}
+        a = {m: np.zeros((layers, n_in, self.max_rank), np.float32) for m, (n_in, _) in self.shapes.items()}
+        b = {m: np.zeros((layers, self.max_rank, n_out), np.float32) for m, (_, n_out) in self.shapes.items()}
         for m in adapter.a:  # projections it does not wrap stay zero: no delta
             a[m][:, :, :r], b[m][:, :r] = adapter.a[m], adapter.b[m]
         self.pools = _write_slot(self.pools, np.int32(slot), a, b, np.float32(adapter.scaling))

@@ -76,7 +76,7 @@ class DeviceStep:
         """Multi-LoRA's adapter pools (the weights' tail) with each token's slot, or None (LoRA off)."""
         if self.lora_def is None or slots is None:
             return None
-        return MultiLora(slots, jax.tree.unflatten(self.lora_def, weights[self.state_def.num_leaves :]))
+        return MultiLora.of(slots, jax.tree.unflatten(self.lora_def, weights[self.state_def.num_leaves :]))
 
     def _sharded(self, fn, *args, **kwargs):
         if self.mesh is None:

@@ -127,7 +127,7 @@ class ModelRunner:
         hidden = proposer is not None and proposer.target_hidden
         # multi-LoRA: adapter slots on the device, passed to each step after the weights
         self.lora = (
-            AdapterSlots(cfg, layout.max_loras, layout.max_lora_rank, layout.max_cpu_loras)
+            AdapterSlots(cfg, layout.max_loras, layout.max_lora_rank, layout.max_cpu_loras, layout.lora_target_modules)
             if layout.max_loras
             else None
         )

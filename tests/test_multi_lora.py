@@ -122,17 +122,19 @@ def test_steps_without_adapters_skip_the_pools():
     so base-model batches pay no LoRA math; a mixed step adds each adapter token's delta, none elsewhere."""
     rng = np.random.default_rng(0)
     x, y = (jnp.asarray(rng.standard_normal((1, 6, n)), jnp.float32) for n in (16, 24))
-    a = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((2, 3, 16, 4)), jnp.float32)  # 2 layers, 3 slots
+    b = jnp.asarray(rng.standard_normal((2, 3, 4, 24)), jnp.float32)
     scaling = jnp.asarray([0.5, 1.0, 2.0])
     nan = LoraPools({"q_proj": jnp.full_like(a, jnp.nan)}, {"q_proj": jnp.full_like(b, jnp.nan)}, scaling)
     none = jnp.full((6,), -1, jnp.int32)
-    assert bool(jnp.array_equal(MultiLora.of(none, nan).add("q_proj", x, y), y))
-    mixed = jnp.asarray([2, -1, 0, -1, 1, 2], jnp.int32)
-    got = MultiLora.of(mixed, LoraPools({"q_proj": a}, {"q_proj": b}, scaling)).add("q_proj", x, y)
-    want = y[0] + lora_apply(x[0], a, b, scaling, slots=mixed)
-    np.testing.assert_allclose(got[0], want, rtol=1e-6)
-    assert bool(jnp.array_equal(got[0, 1], y[0, 1])) and not bool(jnp.allclose(got[0, 0], y[0, 0]))
+    assert bool(jnp.array_equal(MultiLora.of(none, nan).layer(1).add("q_proj", x, y), y))
+    pools = LoraPools({"q_proj": a}, {"q_proj": b}, scaling)
+    for tokens in (6, 3):  # more tokens than slots (prefill), and no more (decode)
+        mixed = jnp.asarray([2, -1, 0, -1, 1, 2][:tokens], jnp.int32)
+        got = MultiLora.of(mixed, pools).layer(1).add("q_proj", x[:, :tokens], y[:, :tokens])
+        want = y[0, :tokens] + lora_apply(x[0, :tokens], a[1], b[1], scaling, slots=mixed)
+        np.testing.assert_allclose(got[0], want, rtol=1e-5)
+        assert bool(jnp.array_equal(got[0, 1], y[0, 1])) and not bool(jnp.allclose(got[0, 0], y[0, 0]))
 
 
 def test_target_modules_limit_the_slots_and_refuse_other_adapters(adapters):

@@ -30,13 +30,14 @@ class LoraPools:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MultiLora:
-    """One forward pass's adapters: the slot of each token of the flat batch (-1: the base model),
-    the pools, stacked over layers until `layer` picks one layer's, and whether any token has an
-    adapter (computed once per step by `of`: without one, every projection skips the adapter math)."""
+    """One forward pass's adapters: the slot of each token of the flat batch (-1: the base model), the
+    pools stacked over layers, whether any token has an adapter (computed once per step by `of`: without
+    one, every projection skips the adapter math), and the decoder layer `layer` picked (None: none yet)."""
 
     slots: Int[Array, " N"]
     pools: LoraPools
     active: Bool[Array, ""]
+    layer_index: Int[Array, ""] | int | None = None
 
     @classmethod
     def of(cls, slots: Int[Array, " N"], pools: LoraPools) -> MultiLora:
@@ -44,21 +45,22 @@ class MultiLora:
         return cls(slots, pools, jnp.any(slots >= 0))
 
     def layer(self, i: Int[Array, ""] | int) -> MultiLora:
-        """The pools of decoder layer `i`: A [S, in, R] and B [S, R, out] per projection."""
-        pick = lambda p: {m: w[i] for m, w in p.items()}
-        pools = LoraPools(pick(self.pools.a), pick(self.pools.b), self.pools.scaling)
-        return MultiLora(self.slots, pools, self.active)
+        """These adapters in decoder layer `i`. The pools stay stacked: a layer's slice (a copy) is taken
+        only in steps that use it, so a step without adapters never copies the pools."""
+        return dataclasses.replace(self, layer_index=i)
 
     def add(self, module: str, x: Float[Array, "B T ..."], y: Float[Array, "B T ..."]) -> Float[Array, "B T ..."]:
-        """y (x's projection by the base weight of `module`) plus each token's adapter delta; y itself
-        for a projection no pool holds, or when no token has an adapter (the pools are not read: base-model
-        batches pay no LoRA math). x and y are flattened past their two leading (batch, length) dims."""
+        """y (x's projection by the base weight of `module` in the picked layer) plus each token's adapter
+        delta; y itself for a projection no pool holds, or when no token has an adapter (the pools are not
+        read: base-model batches pay no LoRA math). x and y are flattened past their two leading dims."""
         if module not in self.pools.a:
             return y
-        n = x.shape[0] * x.shape[1]
+        if self.layer_index is None:
+            raise ValueError("MultiLora.add needs a decoder layer: call layer(i) first")
+        i, n = self.layer_index, x.shape[0] * x.shape[1]
 
         def with_delta() -> jax.Array:
-            a, b = self.pools.a[module], self.pools.b[module]
+            a, b = self.pools.a[module][i], self.pools.b[module][i]
             delta = lora_apply(x.reshape(n, -1), a, b, self.pools.scaling, slots=self.slots)
             return y + delta.reshape(y.shape).astype(y.dtype)
 

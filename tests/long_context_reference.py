@@ -83,7 +83,6 @@ def greedy_reference(model: LlamaModel, prompt: list[int], max_tokens: int, tile
         raise ValueError("greedy_reference runs plain Llama layers only")
     n = len(prompt)
     padded = -(-n // tile) * tile
-    capacity = padded + max_tokens
     graphdef, state = nnx.split(model)
     ids = np.zeros(padded, np.int32)
     ids[:n] = prompt
@@ -116,7 +115,6 @@ def greedy_reference(model: LlamaModel, prompt: list[int], max_tokens: int, tile
     logits, caches = prefill(state, jnp.asarray(ids))
     out = [int(jnp.argmax(logits))]
     for pos in range(n, n + max_tokens - 1):
-        assert pos < capacity
         logits, caches = decode(state, jnp.int32(out[-1]), jnp.int32(pos), caches)
         out.append(int(jnp.argmax(logits)))
     return out

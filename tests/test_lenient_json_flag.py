@@ -18,7 +18,9 @@ def args_of(*argv: str):
 
 def schema_reading(engine_args, strict: bool | None) -> bool | None:
     """additional_properties of the engine request a json_schema completion becomes on this server."""
-    state = SimpleNamespace(engine=SimpleNamespace(args=engine_args, max_model_len=64))
+    state = SimpleNamespace(
+        engine=SimpleNamespace(args=engine_args, max_model_len=64), resolve_model=lambda model: None, model_name="m"
+    )
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": strict}}
     gen = Generation(state, CompletionRequest(prompt="x", response_format=rf), [[1, 2]], None, 8)
     so = gen.params[0].structured_outputs

@@ -57,7 +57,6 @@ for name, args, parts in (
     ("cp4", dict(context_parallel_size=4), 4),
     ("cp8", dict(context_parallel_size=8), 8),
     ("tp2_cp4", dict(tensor_parallel_size=2, context_parallel_size=4), 4),
-    ("cp4_xla", dict(context_parallel_size=4, attn_impl="xla"), 4),
 ):
     run = serve(**args)
     report[name] = {"tokens": run["tokens"], "cached": run["cached"], **sharded_prefill(run["llm"], parts)}

@@ -36,6 +36,9 @@ namespace {
 constexpr int64_t kQueryBlock = 8;  // new tokens of one sequence per work unit (prefill chunks)
 constexpr int64_t kUnitsPerGrab = 4;  // units a worker takes at once from the shared counter
 constexpr int64_t kSpareMinKeys = 8192;  // keys a call reads before it takes the spare cores too
+constexpr int64_t kLanes = 8;  // keys scored at once by one row (a 256-bit register of floats)
+constexpr int64_t kTransposeRows = 3;  // rows per KV head from which a page's keys are transposed
+constexpr int64_t kTransposeMaxDim = 32;  // head dims up to which that beats dot products
 
 struct Unit {
   int32_t seq;
@@ -61,13 +64,6 @@ struct Job {
   std::condition_variable finished;
 };
 
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // exp(x) for x <= 0 (a score minus the running maximum) as plain arithmetic, so the loop over a page's
 // keys vectorizes (std::exp is a scalar call): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
 // series to r^6 (relative error ~2e-7), 2^n in the exponent bits. Below -87 it returns exp(-87) ~ 1.6e-38.
@@ -83,16 +79,26 @@ inline float ExpNonPositive(float x) {
   return p * scale;
 }
 
-// What a worker reuses between units: per-row floats (accumulators, softmax state, one page's scores)
-// and per-row offsets (query, key head, position), computed once a unit instead of per key.
+// What a worker reuses between units: per-row floats (scaled queries, accumulators, softmax state, one
+// page's scores), one page's keys of one head transposed, and per-row positions, set once a unit.
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 struct Scratch {
-  std::vector<float> f;
+  std::vector<float> f, kt;
   std::vector<int64_t> q_off, k_off, pos;
 };
 
 // One unit: rows (KV head, new token, query head of its group) attend over their sequence's pages.
-// A page is read in address order, key by key across all KV heads, so its keys and values stream
-// through once (reading one head's slice of every key, the pool's stride, got half the bandwidth).
+// With several rows per KV head (prefill chunks, large query groups), each page's keys of a head are
+// transposed to [dim, keys] once, and a row's scores for 8 keys are dim vector FMAs into one register
+// (a dot product per key and row, with its horizontal sum, cost ~50 cycles a query-key pair at head
+// dim 8); with one or two rows (decode) the transpose would cost more than it saves, so they take dot
+// products. Values are then added row by row, a key at a time.
 void RunUnit(const Job& job, const Unit& u, Scratch& scratch) {
   const int64_t g = job.group, d = job.dim, bs = job.block_size;
   const int64_t per_head = u.count * g;  // rows of one KV head
@@ -103,11 +109,16 @@ void RunUnit(const Job& job, const Unit& u, Scratch& scratch) {
   const int64_t max_pos = first_pos + u.count - 1;
   const int64_t last_pos = std::min<int64_t>(max_pos, job.max_blocks * bs - 1);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  scratch.f.resize(rows * (d + 2 + bs));
+  const bool transpose = per_head >= kTransposeRows && d <= kTransposeMaxDim;
+  const int64_t padded = (bs + kLanes - 1) / kLanes * kLanes;  // a page's keys, padded to whole registers
+  scratch.f.resize(rows * (2 * d + 2 + padded));
+  if (transpose) scratch.kt.assign(d * padded, 0.f);
   float* acc = scratch.f.data();
   float* m = acc + rows * d;
   float* l = m + rows;
-  float* s = l + rows;  // [rows, bs] scores of one page, then their weights
+  float* s = l + rows;  // [rows, padded] scores of one page, then their weights
+  float* qs = s + rows * padded;  // [rows, d] queries times the scale (transposed keys only)
+  float* kt = scratch.kt.data();  // [d, padded] one page's keys of one head
   std::fill(acc, acc + rows * d, 0.f);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.f);
@@ -124,6 +135,9 @@ void RunUnit(const Job& job, const Unit& u, Scratch& scratch) {
     q_off[r] = ((u.first + t) * job.heads + (r / per_head) * g + r % g) * d;
     k_off[r] = (r / per_head) * d;
     pos[r] = first_pos + t;
+    if (transpose) {
+      for (int64_t i = 0; i < d; ++i) qs[r * d + i] = job.q[q_off[r] + i] * job.scale;
+    }
   }
   int64_t lo = 0;
   if (job.window > 0) lo = std::max<int64_t>(0, first_pos - job.window + 1);
@@ -135,13 +149,35 @@ void RunUnit(const Job& job, const Unit& u, Scratch& scratch) {
     const int64_t start = page * bs;
     const float* kp = job.k + block * bs * job.kv_heads * d;
     const float* vp = job.v + block * bs * job.kv_heads * d;
-    for (int64_t j = 0; j < keys; ++j) {
-      const float* key = kp + j * stride;
-      for (int64_t r = 0; r < rows; ++r) s[r * bs + j] = Dot(job.q + q_off[r], key + k_off[r], d) * job.scale;
+    if (transpose) {
+      for (int64_t h = 0; h < job.kv_heads; ++h) {
+        for (int64_t j = 0; j < keys; ++j) {
+          const float* key = kp + j * stride + h * d;
+          for (int64_t i = 0; i < d; ++i) kt[i * padded + j] = key[i];
+        }
+        for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+          const float* qr = qs + r * d;
+          for (int64_t j0 = 0; j0 < keys; j0 += kLanes) {
+            float a[kLanes] = {};
+            for (int64_t i = 0; i < d; ++i) {
+              const float qi = qr[i];
+              const float* ki = kt + i * padded + j0;
+#pragma omp simd
+              for (int64_t jj = 0; jj < kLanes; ++jj) a[jj] += qi * ki[jj];
+            }
+            std::copy(a, a + kLanes, s + r * padded + j0);
+          }
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < keys; ++j) {
+        const float* key = kp + j * stride;
+        for (int64_t r = 0; r < rows; ++r) s[r * padded + j] = Dot(job.q + q_off[r], key + k_off[r], d) * job.scale;
+      }
     }
     if (job.softcap > 0.f) {
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < keys; ++j) s[r * bs + j] = job.softcap * std::tanh(s[r * bs + j] / job.softcap);
+        for (int64_t j = 0; j < keys; ++j) s[r * padded + j] = job.softcap * std::tanh(s[r * padded + j] / job.softcap);
       }
     }
     // every row sees every key of the page unless the page passes a row's position or leaves its window
@@ -149,12 +185,12 @@ void RunUnit(const Job& job, const Unit& u, Scratch& scratch) {
     if (masked) {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = 0; j < keys; ++j) {
-          if (start + j > pos[r] || (job.window > 0 && pos[r] - (start + j) >= job.window)) s[r * bs + j] = kNegInf;
+          if (start + j > pos[r] || (job.window > 0 && pos[r] - (start + j) >= job.window)) s[r * padded + j] = kNegInf;
         }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s + r * bs;
+      float* sr = s + r * padded;
       const float page_max = *std::max_element(sr, sr + keys);
       const float m_new = std::max(m[r], page_max);
       if (m_new == kNegInf) {  // nothing visible yet
@@ -175,15 +211,34 @@ void RunUnit(const Job& job, const Unit& u, Scratch& scratch) {
       m[r] = m_new;
       l[r] = l[r] * corr + sum;
     }
-    for (int64_t j = 0; j < keys; ++j) {
-      const float* value = vp + j * stride;
+    if (transpose && d % kLanes == 0) {  // 8 of a row's sums in one register across the page's keys
       for (int64_t r = 0; r < rows; ++r) {
-        const float w = s[r * bs + j];
-        if (w == 0.f) continue;  // a key it does not see (its value may be another step's, or unset)
-        const float* vr = value + k_off[r];
+        const float* sr = s + r * padded;
         float* ar = acc + r * d;
+        for (int64_t i0 = 0; i0 < d; i0 += kLanes) {
+          float a[kLanes];
+          std::copy(ar + i0, ar + i0 + kLanes, a);
+          for (int64_t j = 0; j < keys; ++j) {
+            const float w = sr[j];
+            if (masked && w == 0.f) continue;  // a key it does not see (its value may be another step's, or unset)
+            const float* vr = vp + j * stride + k_off[r] + i0;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) ar[i] += w * vr[i];
+            for (int64_t ii = 0; ii < kLanes; ++ii) a[ii] += w * vr[ii];
+          }
+          std::copy(a, a + kLanes, ar + i0);
+        }
+      }
+    } else {  // a page's values stream through once, each key's row added to every row that sees it
+      for (int64_t j = 0; j < keys; ++j) {
+        const float* value = vp + j * stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float w = s[r * padded + j];
+          if (masked && w == 0.f) continue;
+          const float* vr = value + k_off[r];
+          float* ar = acc + r * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) ar[i] += w * vr[i];
+        }
       }
     }
   }

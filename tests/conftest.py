@@ -23,3 +23,27 @@ def _no_network():
     socket.socket.connect = _guarded_connect
     yield
     socket.socket.connect = _connect
+
+
+# Files that take a minute or more on a 2-core machine: scheduled first (pytest-randomly still shuffles
+# the rest and every file's tests), so that no xdist worker ends the run alone on one of them while the
+# other idles (with --dist loadfile a file runs whole on one worker).
+FIRST = (
+    "tests/test_ray_serve.py",
+    "tests/test_sharding.py",
+    "tests/test_gpu_check.py",
+    "tests/test_benchmarks.py",
+    "tests/test_api_server.py",
+    "tests/test_context_parallel.py",
+    "tests/test_serve_engine.py",
+    "tests/test_long_context.py",
+    "tests/test_pipeline.py",
+    "tests/test_structured_outputs.py",
+    "tests/test_context_parallel_serve.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(FIRST)))

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -55,6 +56,29 @@ def test_cpu_dry_run_runs_every_step_into_six_files(tmp_path):
     assert any(row.get("output_tokens_per_s", 0) > 0 for row in serving)
     leftovers = json.loads((tmp_path / "system.json").read_text())["leftovers"]["rows"]
     assert all(row["clean"] for row in leftovers)
+    _check_benchmark_files(tmp_path / "logs.tar.gz", tmp_path / "unpacked")
+
+
+def _check_benchmark_files(archive: Path, into: Path) -> None:
+    """What the benchmarks the dry run ran wrote themselves (art/) and printed (logs/<step>.log)."""
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    art, logs = into / "art", into / "logs"
+    ours = [row for row in json.loads((art / "attention.json").read_text())["rows"] if row["impl"] == "ours"]
+    assert len(ours) == 2 and all(row["max_err"] < 2e-2 and row["fwd_ms"] > 0 for row in ours)
+    assert (art / "attention.png").stat().st_size > 1000 and "measured matmul peak" in (logs / "attention.log").read_text()
+    paged = json.loads((art / "paged_attention.json").read_text())
+    ours = [row for row in paged["decode"] if row["impl"] == "ours"]
+    assert {row["kv"] for row in ours} == {"bf16", "int8", "fp8"} and all(row["max_err"] < 2e-2 for row in ours)
+    assert paged["prefill"][0]["max_err"] < 2e-2 and (art / "paged_attention.png").is_file()
+    assert paged["prefill"][0]["flash_us"] > 0  # timed against our flash forward at the same shape
+    rows = json.loads((art / "quant_matmul.json").read_text())
+    assert [row["m"] for row in rows] == [1, 16]
+    assert all(row[f"{name}_err"] < 2e-2 for row in rows for name in ("w4a16", "w8a16", "w8a8"))
+    assert all(row["xla_int4_fusion"] in ("fused", "materialized") for row in rows)
+    assert (art / "quant_matmul.png").stat().st_size > 1000 and "W4A16" in (logs / "quant_matmul.log").read_text()
+    train = json.loads((art / "train_throughput.json").read_text())
+    assert train["tokens_per_s"] > 0 and train["mfu"] > 0 and "MFU" in (logs / "train_throughput.log").read_text()
 
 
 def test_only_runs_one_step(tmp_path):

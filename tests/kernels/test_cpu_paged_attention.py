@@ -31,6 +31,8 @@ def _mixed_batch(q_lens, kv_lens, bs, h, kh, d, seed, pad_tokens=5):
         (16, 8, 1, 33, 11, None, None),  # GQA 8 (one KV head), odd head dim, sliding window
         (4, 4, 2, 16, None, 5.0, 0.3),  # softcap and an explicit scale, tiny blocks
         (32, 2, 2, 128, 40, 30.0, None),  # big blocks, window and softcap together
+        (16, 1, 1, 8, None, None, None),  # one head of 8 (tiny-llama-128k): transposed keys, 8-wide value sums
+        (12, 8, 2, 16, 9, None, None),  # transposed keys on pages of 12 (padded to 16 lanes), window
     ],
 )
 def test_ragged_mixed_batch_matches_reference(bs, h, kh, d, window, softcap, scale):

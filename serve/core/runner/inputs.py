@@ -127,9 +127,12 @@ class InputBuilder:
         else:
             drafts = sched.draft_ids
             for i, (s, n, start) in enumerate(zip(seqs, counts.tolist(), starts.tolist())):
-                known = s.tokens if drafts is None else s.tokens + [t for t in drafts[i].tolist() if t >= 0]
-                if start + n <= len(known):
-                    input_ids[cu[i] : cu[i] + n] = known[start : start + n]
+                row = s.tokens[start : start + n]  # the row's tokens, then its drafts (never the whole history)
+                if drafts is not None and len(row) < n:
+                    past = start - len(s.tokens)
+                    row += [t for t in drafts[i].tolist() if t >= 0][max(past, 0) : past + n]
+                if len(row) == n:
+                    input_ids[cu[i] : cu[i] + n] = row
                 else:  # a decode of the token the previous step is still sampling on the device
                     prev_index[cu[i]] = self.prev_row[rows[i]]
         slots = np.full(tb, -1, np.int32)

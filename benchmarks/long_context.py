@@ -7,7 +7,7 @@
   thread's CPU time) with the streams alone, while the prompt prefills, and with its 128K sequence
   decoding in the batch.
 
-The model is the `tiny-llama-128k` preset (2 layers, one KV head of dimension 8, 131,072 positions).
+The model is the `tiny-llama-128k` preset (one layer, one head of dimension 8, 131,072 positions).
 Step shapes compile on first use (no warm-up: it would compile ~66 shapes), so the streams' mean gap
 counts a few compile stalls; their median gap does not. Single steps (no decode loops), so each step is
 timed on its own.

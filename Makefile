@@ -7,7 +7,7 @@ VENV_NEWEST ?= .venv-newest-jax
 VENV_LATEST ?= .venv-latest
 PROMPT ?= And God said
 PORT ?= 8000
-PYTEST_ARGS ?= -n 2 --dist loadfile
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 UV_VERSION ?= 0.13.9
 # A folder of local wheels (this machine keeps the CPU build of torch in /opt/wheels); WHEELS= turns it off.
 WHEELS ?= /opt/wheels

@@ -8,11 +8,12 @@
   decoding in the batch.
 
 The model is the `tiny-llama-128k` preset (one layer, one head of dimension 8, 131,072 positions).
-Step shapes compile on first use (no warm-up: it would compile ~66 shapes), so the streams' mean gap
-counts a few compile stalls; their median gap does not. Single steps (no decode loops), so each step is
-timed on its own.
+Every step shape is compiled before the streams start, so no gap counts a compile. Single steps (no
+decode loops), so each step is timed on its own. The prefill cap runs as the engine resolves it (query-key
+pairs from the model's FLOP ratio) unless `--pairs-per-token` says otherwise (0: tokens only).
 
     python -m benchmarks.long_context [--prompt-len 131048] [--streams 4] [--prefill-per-decode 2]
+        [--pairs-per-token model 0]   # a run each
     python -m benchmarks.long_context --quick   # a 4K-token prompt: checks the script runs
 """
 
@@ -95,7 +96,9 @@ def run_until(rec: Recorder, rid: str, tokens: int) -> float:
     return rec.arrivals[rid][tokens - 1]
 
 
-def measure(prompt_len: int, streams: int, per_decode: int, idle_steps: int, max_len: int = 131_072) -> dict:
+def measure(
+    prompt_len: int, streams: int, per_decode: int, pairs: int | None, idle_steps: int, max_len: int = 131_072
+) -> dict:
     """One run: warm-up, the streams alone, the long prompt's prefill and decode beside them, then a
     second question on its document."""
     eng = LLMEngine(
@@ -109,10 +112,12 @@ def measure(prompt_len: int, streams: int, per_decode: int, idle_steps: int, max
             max_num_batched_tokens=CHUNK,
             num_gpu_blocks_override=max_len // 16 + 64 * streams,
             prefill_tokens_per_decode=per_decode,
+            prefill_pairs_per_token=pairs,
             scan_layers=False,
             compilation_cache_dir="",
         ),
     )
+    eng.core.runner.warmup()
     rng = np.random.default_rng(0)
     vocab = eng.core.vocab_size
     document = rng.integers(0, vocab, prompt_len - QUESTION).tolist()
@@ -153,6 +158,7 @@ def measure(prompt_len: int, streams: int, per_decode: int, idle_steps: int, max
         "prompt_len": prompt_len,
         "streams": streams,
         "prefill_tokens_per_decode": per_decode,
+        "prefill_pairs_per_token": eng.core.layout.pairs_per_token,
         "ttft_s": ttft,
         "ttft_second_question_s": ttft_again,
         "prefix_hit_tokens": cached,
@@ -194,17 +200,27 @@ def main() -> None:
     parser.add_argument(
         "--prefill-per-decode", type=int, nargs="+", default=[2], help="prefill_tokens_per_decode: a run each"
     )
+    parser.add_argument(
+        "--pairs-per-token",
+        nargs="+",
+        default=["model"],
+        help="prefill_pairs_per_token: 'model' (the engine's default) or an int, 0 = tokens only; a run each",
+    )
     parser.add_argument("--idle-steps", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="a 4K-token prompt (max_model_len 8K), 20 idle steps")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     results = []
     for per_decode in args.prefill_per_decode:
-        if args.quick:
-            results.append(measure(4096, args.streams, per_decode, 20, max_len=8192))
-        else:
-            results.append(measure(args.prompt_len, args.streams, per_decode, args.idle_steps))
-        print(f"\nprefill_tokens_per_decode {per_decode}:\n{table(results[-1])}", flush=True)
+        for text in args.pairs_per_token:
+            pairs = None if text == "model" else int(text)
+            if args.quick:
+                results.append(measure(4096, args.streams, per_decode, pairs, 20, max_len=8192))
+            else:
+                results.append(measure(args.prompt_len, args.streams, per_decode, pairs, args.idle_steps))
+            r = results[-1]
+            title = f"prefill_tokens_per_decode {per_decode}, prefill_pairs_per_token {r['prefill_pairs_per_token']}"
+            print(f"\n{title}:\n{table(r)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "long_context.json").write_text(json.dumps(results, indent=2))
 

@@ -185,6 +185,15 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.vocab_size * e + layers + e + head
 
+    @property
+    def attention_pairs_per_token(self) -> int:
+        """Query-key pairs whose attention FLOPs (4 x heads x head_dim a layer) equal one prompt token's
+        decoder matmul FLOPs (2 x the layers' parameters): what a token deep in a long prompt costs
+        beyond its matmuls, per key it reads (llama-3.1-8b: 26,625)."""
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        layers = self.num_active_params - self.vocab_size * self.hidden_size - head - self.hidden_size
+        return max(1, round(layers / (2 * self.num_layers * self.num_heads * self.head_dim)))
+
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """KV-cache bytes one token occupies across all layers (K and V)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element

@@ -67,6 +67,11 @@ class EngineArgs:
     """Chunked prefill while sequences decode: a step takes at most this many prompt tokens per running
     sequence (counted as at least 16), so a step that carries new prompts costs a small multiple of a
     decode step and streams keep an even pace; 0 = prompts fill the whole token budget (vLLM's way)."""
+    prefill_pairs_per_token: int | None = None
+    """With prefill_tokens_per_decode: the query-key pairs a step's prompt chunks may read per token of
+    that cap, so chunks deep in a long prompt shrink (down to a token every few steps) instead of
+    stalling the decodes (default: the model's FLOP ratio, ModelConfig.attention_pairs_per_token;
+    0 = tokens only)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory for weights, activations and the KV pool."""
     num_gpu_blocks_override: int | None = None
@@ -191,6 +196,9 @@ class EngineArgs:
         for name in ("prefill_tokens_per_decode", "cpu_reserved_cores", "compile_threads"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "must be an int >= 0")
+        pairs = self.prefill_pairs_per_token
+        if pairs is not None and (not is_int(pairs) or pairs < 0):
+            raise bad("prefill_pairs_per_token", "must be an int >= 0 or None")
         if self.runner not in RUNNERS:
             raise bad("runner", f"must be one of {', '.join(RUNNERS)}")
         if self.convert not in CONVERTS:

@@ -27,7 +27,8 @@ def _no_network():
 
 # Files that take a minute or more on a 2-core machine: scheduled first (pytest-randomly still shuffles
 # the rest and every file's tests), so that no xdist worker ends the run alone on one of them while the
-# other idles (with --dist loadfile a file runs whole on one worker).
+# other idles (with --dist loadfile a file runs whole on one worker; --no-loadscope-reorder, in the
+# Makefile, keeps xdist from putting the files with the most tests first instead).
 FIRST = (
     "tests/test_ray_serve.py",
     "tests/test_sharding.py",

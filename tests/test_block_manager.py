@@ -209,10 +209,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random arrivals, steps (every scheduled token computed, decodes sample a token) and aborts:
     budgets and sequence limits hold, and the pool is whole once everything is gone."""
 
+    layout = CoreLayout(max_num_seqs=3, max_num_batched_tokens=8)
+
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(10, 4, enable_prefix_caching=True)
-        self.sched = Scheduler(self.bm, CoreLayout(max_num_seqs=3, max_num_batched_tokens=8))
+        self.sched = Scheduler(self.bm, self.layout)
         self.seqs: list[Sequence] = []
 
     @rule(n=st.integers(1, 20), prefix=st.booleans())
@@ -247,10 +249,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.bm.num_free_blocks == self.bm.num_blocks
 
 
+class PairCappedSchedulerMachine(SchedulerMachine):
+    """The same with prompt chunks capped in query-key pairs (16 a step beside decodes): chunks past
+    position 16 wait for saved pairs, and nothing else changes."""
+
+    layout = CoreLayout(max_num_seqs=3, max_num_batched_tokens=8, prefill_tokens_per_decode=1, pairs_per_token=1)
+
+
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPairCappedScheduler = PairCappedSchedulerMachine.TestCase
+TestPairCappedScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
 @pytest.mark.parametrize(
@@ -269,6 +280,8 @@ TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadl
         ("async_scheduling", "yes"),
         ("seed", 1.5),
         ("prefill_tokens_per_decode", -1),
+        ("prefill_pairs_per_token", -1),
+        ("prefill_pairs_per_token", 2.5),
         ("cpu_reserved_cores", -1),
         ("cpu_reserved_cores", 0.5),
     ],

@@ -35,6 +35,7 @@ class CoreLayout:
     eos_token_ids: tuple[int, ...] = ()  # the model's and the tokenizer's, merged
     enable_chunked_prefill: bool = True
     prefill_tokens_per_decode: int = 0
+    pairs_per_token: int = 0  # query-key pairs costing one prompt token's matmuls (the prefill cap's)
     scheduling_policy: str = "fcfs"
     num_scheduler_steps: int = 1
     num_speculative_tokens: int = 0  # k: drafts a row per verify step (0: no speculation)
@@ -105,6 +106,9 @@ def resolve(
         eos_token_ids=tuple(dict.fromkeys((*cfg.eos_token_id, *eos_token_ids))),
         enable_chunked_prefill=args.enable_chunked_prefill,
         prefill_tokens_per_decode=args.prefill_tokens_per_decode,
+        pairs_per_token=(
+            cfg.attention_pairs_per_token if args.prefill_pairs_per_token is None else args.prefill_pairs_per_token
+        ),
         scheduling_policy=args.scheduling_policy,
         num_scheduler_steps=args.num_scheduler_steps,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,

@@ -1,29 +1,71 @@
-"""How many prompt tokens a step may take beside running decodes (EngineArgs.prefill_tokens_per_decode)."""
+"""How many prompt tokens a step may take beside running decodes (EngineArgs.prefill_tokens_per_decode),
+counted in tokens and in attention's query-key pairs."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from serve.core.runner.sizing import fit
 
 MIN_COUNTED = 16  # running sequences counted at least: small batches still admit a prompt chunk a step
+UNCAPPED = 1 << 62  # query-key pairs when they are not counted
+
+
+def pairs(start: int, n: int) -> int:
+    """Query-key pairs of causal attention for `n` prompt tokens from position `start` (each reads the
+    keys before it and itself)."""
+    return n * start + n * (n + 1) // 2
+
+
+def tokens_within(start: int, n: int, budget: int) -> int:
+    """The most of `n` prompt tokens from position `start` whose attention fits `budget` pairs."""
+    if pairs(start, n) <= budget:
+        return n
+    b = start + 0.5  # pairs(start, m) = m * b + m * m / 2: the positive root, then exact integer steps
+    m = min(int(math.sqrt(b * b + 2 * budget) - b), n)
+    while m > 0 and pairs(start, m) > budget:
+        m -= 1
+    while m < n and pairs(start, m + 1) <= budget:
+        m += 1
+    return m
 
 
 @dataclasses.dataclass
 class PrefillBudget:
     """While sequences run, a step's prompt tokens are capped at `per_decode` per running sequence, then
-    stretched to fill the token bucket the step is padded to anyway (padding costs what tokens cost);
-    `per_decode` 0 (or nothing running) leaves the whole step budget to prompts, as vLLM does."""
+    stretched to fill the token bucket the step pads to anyway (padding costs what tokens cost);
+    `per_decode` 0 (or nothing running) leaves the whole step budget to prompts, as vLLM does.
+
+    The cap also holds in attention: a step's prompt chunks may read at most cap x `pairs_per_token`
+    query-key pairs (the pairs whose FLOPs equal one token's matmuls), so a chunk deep in a long prompt,
+    whose tokens each read every key before them, shrinks instead of stalling the decodes beside it.
+    Where one token's pairs exceed a step's, the steps that could not take it save their pairs
+    (`credit`) until one can."""
 
     max_num_batched_tokens: int
     per_decode: int = 0
     token_buckets: tuple[int, ...] = ()  # the steps' (CoreLayout's)
+    pairs_per_token: int = 0  # the model's (CoreLayout's); 0: pairs are not counted
+    credit: int = 0  # pairs saved by steps whose pairs could not buy a prompt token
 
     def cap(self, running: int) -> int:
         """Prompt tokens a step may take with `running` sequences running."""
         if not self.per_decode or not running:
             return self.max_num_batched_tokens
         return self.per_decode * max(running, MIN_COUNTED)
+
+    def pair_cap(self, running: int) -> int:
+        """Query-key pairs a step's prompt chunks may read with `running` sequences running (saved
+        credit included)."""
+        if not self.per_decode or not running or not self.pairs_per_token:
+            return UNCAPPED
+        return self.cap(running) * self.pairs_per_token + self.credit
+
+    def settle(self, left: int, starved: bool) -> None:
+        """After a step: keep its unspent pairs as credit if a prompt chunk got no token for want of
+        pairs (it is less than that token's pairs, so no burst builds), else start afresh."""
+        self.credit = left if starved and left < UNCAPPED else 0
 
     def fill(self, used: int, prefill: int) -> int:
         """Prompt tokens waiting prompts may add to a step that holds `used` tokens and has `prefill` of

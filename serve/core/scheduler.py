@@ -15,7 +15,7 @@ import numpy as np
 from serve.core.decode_loop import loop_steps
 from serve.core.kv_cache import BlockManager
 from serve.core.layout import CoreLayout
-from serve.core.prefill_budget import PrefillBudget
+from serve.core.prefill_budget import UNCAPPED, PrefillBudget, pairs, tokens_within
 from serve.core.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
 from serve.core.scheduling_policy import POLICIES
 from serve.core.sequence import Sequence, Status
@@ -65,7 +65,8 @@ class Scheduler:
         self.max_model_len = layout.max_model_len
         self.eos_set = frozenset(layout.eos_token_ids)
         per_decode = layout.prefill_tokens_per_decode if layout.enable_chunked_prefill else 0
-        self.prefill = PrefillBudget(budget, per_decode, layout.token_buckets)  # a capped prefill fills its bucket
+        # a capped prefill fills its bucket, and its chunks' attention is capped with it
+        self.prefill = PrefillBudget(budget, per_decode, layout.token_buckets, layout.pairs_per_token)
         self.stream_loops = stream_loops
         self.num_steps_made = 0
         self.spec = (
@@ -151,6 +152,8 @@ class Scheduler:
         drafts = spec.propose(self.running, self.waiting, self.budget) if spec is not None else {}
         allocate = self.bm.allocate_slots
         prefill = self.prefill.cap(len(running))
+        pair_left = self.prefill.pair_cap(len(running))
+        starved = False  # a prompt chunk got no token for want of pairs
         i = 0
         while i < len(running) and budget > 0:  # the hot loop at large batches: kept to plain reads
             seq = running[i]
@@ -167,6 +170,9 @@ class Scheduler:
                 n += extra
             if n > budget:
                 n = budget
+            if chunk and n > 0 and pair_left < UNCAPPED:
+                n = tokens_within(computed, n, pair_left)
+                starved = starved or n == 0
             if n <= 0 or total - seq.prompt_len >= seq.max_tokens:
                 i += 1  # nothing to compute, or max_tokens already in flight
                 continue
@@ -183,6 +189,7 @@ class Scheduler:
                 budget -= n
                 if chunk:
                     prefill -= n
+                    pair_left -= pairs(computed, n)
                 i += 1
         budget = min(budget, self.prefill.fill(self.max_num_batched_tokens - budget, prefill))
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -195,12 +202,16 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_cached_tokens = self.bm.allocate_prefix(seq)
                 if self.remote is not None and self.remote.start(seq, self.waiting):
                     continue
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
+            start = seq.num_computed_tokens
+            remaining = seq.num_tokens - start
+            n = tokens_within(start, min(remaining, budget), pair_left)
+            starved = starved or n == 0
             # Without chunking a prompt waits for a step with room for all of it (the budget holds
             # max_model_len); and for blocks when the pool is short.
-            if (n < remaining and not self.enable_chunked_prefill) or not self.bm.allocate_slots(
-                seq, n + self._lookahead(seq, n)
+            if (
+                n == 0
+                or (n < remaining and not self.enable_chunked_prefill)
+                or not self.bm.allocate_slots(seq, n + self._lookahead(seq, n))
             ):
                 self.bm.free(seq)
                 break
@@ -209,6 +220,8 @@ class Scheduler:
             self.policy.place(self.running, seq)
             scheduled.append((seq, n))
             budget -= n
+            pair_left -= pairs(start, n)
+        self.prefill.settle(pair_left, starved)
         return self._output(scheduled, preempted, drafts)
 
     def _no_adapter_slot(self, seq: Sequence) -> bool:

@@ -41,6 +41,10 @@ FIRST = (
     "tests/test_pipeline.py",
     "tests/test_structured_outputs.py",
     "tests/test_context_parallel_serve.py",
+    "notebooks/train_to_serve.ipynb",
+    "notebooks/grpo.ipynb",
+    "notebooks/flash_attention.ipynb",
+    "notebooks/kv_cache_memory.ipynb",
 )
 
 

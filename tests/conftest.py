@@ -30,9 +30,9 @@ def _no_network():
 # other idles (with --dist loadfile a file runs whole on one worker; --no-loadscope-reorder, in the
 # Makefile, keeps xdist from putting the files with the most tests first instead).
 FIRST = (
-    "tests/test_ray_serve.py",
     "tests/test_sharding.py",
     "tests/test_gpu_check.py",
+    "tests/test_ray_serve.py",
     "tests/test_benchmarks.py",
     "tests/test_api_server.py",
     "tests/test_context_parallel.py",

@@ -74,6 +74,10 @@ COMPILE_CACHE: dict[str, str] = {}  # the replicas' persistent compilation cache
 def cluster(tmp_path_factory):
     COMPILE_CACHE["dir"] = str(tmp_path_factory.mktemp("replica-compile-cache"))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray Serve kills an HTTP proxy not ready in 5 s (three tries): a 2-core machine busy with the other
+    # tests can take longer to import one. The cluster's processes inherit these.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     import ray
     from ray import serve
 

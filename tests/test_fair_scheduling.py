@@ -156,7 +156,8 @@ def test_over_http_one_tenants_backlog_does_not_delay_another():
             assert r.status_code == 200, r.text
             finished[name] = time.monotonic()
 
-        threads = [threading.Thread(target=complete, args=(f"a{i}", "sk-tenant-a", 48)) for i in range(3)]
+        # long enough that b's request reaches the server while two of a's still wait, on a loaded machine
+        threads = [threading.Thread(target=complete, args=(f"a{i}", "sk-tenant-a", 200)) for i in range(3)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60

@@ -15,7 +15,7 @@ import numpy as np
 from serve.core.decode_loop import loop_steps
 from serve.core.kv_cache import BlockManager
 from serve.core.layout import CoreLayout
-from serve.core.prefill_budget import UNCAPPED, PrefillBudget, pairs, tokens_within
+from serve.core.prefill_budget import PrefillBudget, pairs, tokens_within
 from serve.core.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
 from serve.core.scheduling_policy import POLICIES
 from serve.core.sequence import Sequence, Status
@@ -161,18 +161,15 @@ class Scheduler:
             total = len(seq.tokens) + seq.num_pending
             n = total - computed
             chunk = n > 1  # a prompt chunk (or a preempted sequence's recompute)
-            if chunk:
-                if n > prefill:
-                    n = prefill
+            if chunk:  # within the step's prompt tokens and pairs
+                n = tokens_within(computed, min(n, prefill), pair_left)
+                starved = starved or n == 0 < prefill
             elif drafts:
                 extra = len(drafts.get(seq.seq_id, ()))
                 total += extra
                 n += extra
             if n > budget:
                 n = budget
-            if chunk and n > 0 and pair_left < UNCAPPED:
-                n = tokens_within(computed, n, pair_left)
-                starved = starved or n == 0
             if n <= 0 or total - seq.prompt_len >= seq.max_tokens:
                 i += 1  # nothing to compute, or max_tokens already in flight
                 continue
@@ -208,11 +205,8 @@ class Scheduler:
             starved = starved or n == 0
             # Without chunking a prompt waits for a step with room for all of it (the budget holds
             # max_model_len); and for blocks when the pool is short.
-            if (
-                n == 0
-                or (n < remaining and not self.enable_chunked_prefill)
-                or not self.bm.allocate_slots(seq, n + self._lookahead(seq, n))
-            ):
+            fits = n > 0 and (n == remaining or self.enable_chunked_prefill)
+            if not fits or not self.bm.allocate_slots(seq, n + self._lookahead(seq, n)):
                 self.bm.free(seq)
                 break
             self.waiting.remove(seq)

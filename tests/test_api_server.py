@@ -189,9 +189,9 @@ def test_api_key():
 def test_overload_gets_429_counting_sequences():
     """Capacity is max_num_seqs + max_queue sequences (prompts x n), not HTTP calls."""
     with running_server(
-        max_queue=1, max_model_len=2048, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=600
+        max_queue=1, max_model_len=512, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=150
     ) as (url, app):
-        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
         state = app.state.server
 
         async def main():
@@ -208,7 +208,7 @@ def test_overload_gets_429_counting_sequences():
         pair, single, held = asyncio.run(main())
         assert pair.status_code == 429 and pair.json()["error"]["type"] == "rate_limit_error"
         assert single.status_code == 200 and held.status_code == 200
-        assert held.json()["usage"]["completion_tokens"] == 4000
+        assert held.json()["usage"]["completion_tokens"] == 800
 
 
 def test_soak_concurrent_streams_with_drops():

@@ -177,22 +177,25 @@ class ModelConfig:
         return self._count_params(active=True)
 
     def _count_params(self, active: bool) -> int:
+        e = self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.vocab_size * e + self._layer_params(active) + e + head
+
+    def _layer_params(self, active: bool) -> int:
+        """Parameters of the decoder layers (attention, norms, feed-forward), without embedding and head."""
         e, d = self.hidden_size, self.head_dim
         attn = e * d * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += (self.num_heads + 2 * self.num_kv_heads) * d * self.qkv_bias + e * self.o_bias
         attn += 2 * d * self.qk_norm
-        layers = self.num_layers * (attn + 2 * e) + self._ffn_params(active)
-        head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + layers + e + head
+        return self.num_layers * (attn + 2 * e) + self._ffn_params(active)
 
     @property
     def attention_pairs_per_token(self) -> int:
         """Query-key pairs whose attention FLOPs (4 x heads x head_dim a layer) equal one prompt token's
         decoder matmul FLOPs (2 x the layers' parameters): what a token deep in a long prompt costs
         beyond its matmuls, per key it reads (llama-3.1-8b: 26,625)."""
-        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        layers = self.num_active_params - self.vocab_size * self.hidden_size - head - self.hidden_size
-        return max(1, round(layers / (2 * self.num_layers * self.num_heads * self.head_dim)))
+        per_pair = 2 * self.num_layers * self.num_heads * self.head_dim
+        return max(1, round(self._layer_params(active=True) / per_pair))
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """KV-cache bytes one token occupies across all layers (K and V)."""

@@ -65,7 +65,7 @@ class PrefillBudget:
     def settle(self, left: int, starved: bool) -> None:
         """After a step: keep its unspent pairs as credit if a prompt chunk got no token for want of
         pairs (it is less than that token's pairs, so no burst builds), else start afresh."""
-        self.credit = left if starved and left < UNCAPPED else 0
+        self.credit = left if starved else 0  # only a capped step starves
 
     def fill(self, used: int, prefill: int) -> int:
         """Prompt tokens waiting prompts may add to a step that holds `used` tokens and has `prefill` of

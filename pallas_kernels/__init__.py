@@ -28,7 +28,6 @@ from pallas_kernels.metadata import (
     PagedKVCache,
     PagedMetadata,
     kv_bytes_per_element,
-    paged_head_dim,
 )
 from pallas_kernels.paged_tiles import TilePlan, tile_plan
 from pallas_kernels.ragged_paged_attention import addressable_blocks
@@ -64,7 +63,6 @@ __all__ = [
     "lora_delta_xla",
     "lora_impl",
     "mha_reference",
-    "paged_head_dim",
     "paged_impl",
     "quantize",
     "ragged_attention",

@@ -237,13 +237,9 @@ def attend(
         if not isinstance(cache, PagedKVCache):
             raise ValueError("PagedMetadata needs a PagedKVCache")
         b, t, h, d = q.shape
-        pad = cache.k.shape[-1] - d  # pools padded to a power-of-two head dim (paged_head_dim)
-        if pad:
-            q, k, v = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (q, k, v))
-            common["scale"] = d**-0.5 if scale is None else scale  # of the real head dim
         # every new key is written (slot_mapping has one slot per key); the queries may be a slice of
         # the keys' tokens (context parallelism: metadata from `query_slice`)
         cache = cache.write(k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]), metadata.slot_mapping)
-        out = ragged_attention(q.reshape(b * t, h, d + pad), cache, metadata, impl=impl, **common)
-        return out[..., :d].reshape(b, t, h, d), cache
+        out = ragged_attention(q.reshape(b * t, h, d), cache, metadata, impl=impl, **common)
+        return out.reshape(b, t, h, d), cache
     raise TypeError(f"unsupported attention metadata {type(metadata).__name__}")

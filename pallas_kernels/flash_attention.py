@@ -31,12 +31,14 @@ from pallas_kernels.flash_tiles import (
     full_kv_end,
     group_tile,
     kv_range,
+    load_tile,
     logits,
     masked_scores,
     prepare,
     read_offset,
     row_segments,
     row_tokens,
+    store_tile,
     tile_rows,
 )
 from pallas_kernels.tile_ops import online_softmax_step
@@ -51,16 +53,16 @@ def _forward_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, ls
         tile = pl.num_programs(2) - 1 - tile
     tok0 = tile * st.tokens
     offset = read_offset(off_ref, st)
-    q = tile_rows(q_ref[...], st)
+    q = tile_rows(load_tile(q_ref, 0, st.tokens, st), st)
     q_tok = row_tokens(tok0, st)
     q_seg = row_segments(qseg_ref[...], st) if st.has_segments else None
-    d = q.shape[-1]
+    d = st.head_dim_pad
 
     def body(j, carry, masked: bool):
         acc, m, l = carry
         kv0 = j * st.block_k
-        k = k_ref[pl.ds(kv0, st.block_k), :]
-        v = v_ref[pl.ds(kv0, st.block_k), :]
+        k = load_tile(k_ref, kv0, st.block_k, st)
+        v = load_tile(v_ref, kv0, st.block_k, st)
         if masked:
             kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments else None
             s, _ = masked_scores(q, k, q_tok, kv0, q_seg, kv_seg, offset, st)
@@ -79,7 +81,7 @@ def _forward_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, ls
     acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
     empty = l == 0.0  # rows that see no key (padding): output 0, lse +inf so backward p = 0
     out = acc / jnp.where(empty, 1.0, l)[:, None]
-    o_ref[...] = out.reshape(st.tokens, st.group, d).astype(o_ref.dtype)
+    store_tile(o_ref, 0, out.reshape(st.tokens, st.group, d), st)
     lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
     lse_ref[...] = lse.reshape(st.tokens, st.group)
 
@@ -166,12 +168,10 @@ def flash_attention(
         group=group,
         tokens=max(blocks.block_q // group, 1),
         block_k=blocks.block_k,
+        head_dim=d,
     )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    dp = max(16, pl.next_power_of_2(d))  # Triton tiles need power-of-two sizes; zero columns are inert
-    if dp != d:
-        q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, dp - d)]) for x in (q, k, v))
     traced = q_offset if st.offset is None and q_offset is not None else 0
     offset = jnp.full((1,), traced, jnp.int32)
-    return _flash(q, k, v, q_segment_ids, kv_segment_ids, offset, st, blocks, interpret)[..., :d]
+    return _flash(q, k, v, q_segment_ids, kv_segment_ids, offset, st, blocks, interpret)

@@ -23,6 +23,7 @@ from pallas_kernels.flash_tiles import (
     block_specs,
     full_kv_end,
     kv_range,
+    load_tile,
     logits,
     masked_scores,
     pad_to,
@@ -31,6 +32,7 @@ from pallas_kernels.flash_tiles import (
     read_offset,
     row_segments,
     row_tokens,
+    store_tile,
     tile_rows,
 )
 from pallas_kernels.tile_ops import dot
@@ -57,16 +59,16 @@ def _dkdv_kernel(
 ):
     kv0 = pl.program_id(2) * st.block_k
     offset = read_offset(off_ref, st)
-    k, v = k_ref[...], v_ref[...]
+    k, v = load_tile(k_ref, 0, st.block_k, st), load_tile(v_ref, 0, st.block_k, st)
     kv_seg = kvseg_ref[...] if st.has_segments else None
-    d = k.shape[-1]
+    d = st.head_dim_pad
 
     def body(i, carry):
         dk, dv = carry
         tok0 = i * st.tokens
         sl = pl.ds(tok0, st.tokens)
-        q = tile_rows(q_ref[sl, :, :], st)
-        do = tile_rows(do_ref[sl, :, :], st)
+        q = tile_rows(load_tile(q_ref, tok0, st.tokens, st), st)
+        do = tile_rows(load_tile(do_ref, tok0, st.tokens, st), st)
         lse, delta = tile_rows(lse_ref[sl, :], st), tile_rows(delta_ref[sl, :], st)
         q_seg = row_segments(qseg_ref[sl], st) if st.has_segments else None
         p, ds = _ds(q, k, v, do, lse, delta, row_tokens(tok0, st), kv0, q_seg, kv_seg, offset, st)
@@ -77,8 +79,8 @@ def _dkdv_kernel(
     lo, hi = q_range(kv0, st.block_k, q_ref.shape[0] // st.tokens, offset, st)
     zeros = jnp.zeros((st.block_k, d), jnp.float32)
     dk, dv = lax.fori_loop(lo, hi, body, (zeros, zeros))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    store_tile(dk_ref, 0, dk, st)
+    store_tile(dv_ref, 0, dv, st)
 
 
 def _dq_kernel(
@@ -90,15 +92,15 @@ def _dq_kernel(
         tile = pl.num_programs(2) - 1 - tile
     tok0 = tile * st.tokens
     offset = read_offset(off_ref, st)
-    q, do = tile_rows(q_ref[...], st), tile_rows(do_ref[...], st)
+    q, do = (tile_rows(load_tile(ref, 0, st.tokens, st), st) for ref in (q_ref, do_ref))
     lse, delta = tile_rows(lse_ref[...], st), tile_rows(delta_ref[...], st)
     q_tok = row_tokens(tok0, st)
     q_seg = row_segments(qseg_ref[...], st) if st.has_segments else None
 
     def body(j, dq, masked: bool):
         kv0 = j * st.block_k
-        k = k_ref[pl.ds(kv0, st.block_k), :]
-        v = v_ref[pl.ds(kv0, st.block_k), :]
+        k = load_tile(k_ref, kv0, st.block_k, st)
+        v = load_tile(v_ref, kv0, st.block_k, st)
         kv_seg = kvseg_ref[pl.ds(kv0, st.block_k)] if st.has_segments and masked else None
         _, ds = _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st, masked)
         return dq + dot(ds.astype(k.dtype), k)
@@ -107,7 +109,7 @@ def _dq_kernel(
     mid = full_kv_end(tok0, lo, hi, offset, st)
     dq = lax.fori_loop(lo, mid, functools.partial(body, masked=False), jnp.zeros((st.rows, q.shape[-1]), jnp.float32))
     dq = lax.fori_loop(mid, hi, functools.partial(body, masked=True), dq)
-    dq_ref[...] = dq.reshape(st.tokens, st.group, -1).astype(dq_ref.dtype)
+    store_tile(dq_ref, 0, dq.reshape(st.tokens, st.group, -1), st)
 
 
 def flash_backward(q, k, v, q_seg, kv_seg, offset, out, lse, do, st: FlashStatic, blocks: BlockSizes, interpret: bool):

@@ -1,6 +1,6 @@
 """Pieces the flash attention forward (flash_attention.py) and backward (flash_backward.py) share:
 tile sizes, the trace-time static description, the masked logits of one tile pair, which tiles a
-tile can see, and the padding and BlockSpecs of the pallas_calls.
+tile can see, loads and stores at the true head dim, and the padding and BlockSpecs of the pallas_calls.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.tile_ops import dot
 
@@ -66,10 +67,46 @@ class FlashStatic:
     group: int  # query heads per tile (power of two dividing the GQA ratio)
     tokens: int  # query tokens per tile
     block_k: int
+    head_dim: int  # true width of q, k, v and every gradient
 
     @property
     def rows(self) -> int:
         return self.tokens * self.group
+
+    @property
+    def head_dim_pad(self) -> int:
+        """Width in registers: Triton tiles are powers of two, the MMA's K at least 16."""
+        return max(16, pl.next_power_of_2(self.head_dim))
+
+
+def _tile_index(ref, first: jax.Array | int, n: int, st: FlashStatic) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """Gather indices of ref[first:first + n] (2 or 3 dims) padded to head_dim_pad columns, and the
+    mask of the columns that exist."""
+    cols = lax.broadcasted_iota(jnp.int32, (st.head_dim_pad,), 0)
+    inner = ref.shape[1:-1]
+    axes = [first + lax.broadcasted_iota(jnp.int32, (n,), 0)]
+    axes += [lax.broadcasted_iota(jnp.int32, (size,), 0) for size in inner] + [cols]
+    rank = len(axes)
+    idx = tuple(a.reshape((1,) * i + (-1,) + (1,) * (rank - 1 - i)) for i, a in enumerate(axes))
+    return idx, (cols < st.head_dim).reshape((1,) * (rank - 1) + (-1,))
+
+
+def load_tile(ref, first: jax.Array | int, n: int, st: FlashStatic) -> jax.Array:
+    """ref[first:first + n] with its last axis padded to head_dim_pad with zeros in registers only
+    (head dims 80, 96 read at their true width; zero columns change no dot product)."""
+    if st.head_dim == st.head_dim_pad:
+        return ref[pl.ds(first, n)]
+    idx, cols = _tile_index(ref, first, n, st)
+    return plgpu.load(ref.at[idx], mask=cols, other=0)
+
+
+def store_tile(ref, first: jax.Array | int, x: jax.Array, st: FlashStatic) -> None:
+    """ref[first:first + len(x)] = x, dropping the register padding past the true head dim."""
+    if st.head_dim == st.head_dim_pad:
+        ref[pl.ds(first, x.shape[0])] = x.astype(ref.dtype)
+        return
+    idx, cols = _tile_index(ref, first, x.shape[0], st)
+    plgpu.store(ref.at[idx], x.astype(ref.dtype), mask=cols)
 
 
 def row_tokens(tok0: jax.Array, st: FlashStatic) -> jax.Array:

@@ -96,12 +96,6 @@ def _scatter_slots(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Arr
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)  # tokens per KV block the paged kernels support
 
 
-def paged_head_dim(head_dim: int, impl: str) -> int:
-    """Head dim of the paged pools: the Pallas kernel needs a power of two (zero padding, which
-    changes no dot product); the other implementations take any."""
-    return 1 << (head_dim - 1).bit_length() if impl == "pallas" else head_dim
-
-
 def kv_bytes_per_element(dtype: jnp.dtype | str, head_dim: int) -> float:
     """Pool bytes per stored K or V element: int8/fp8 values carry a float32 scale per token and head."""
     if is_quantized_kv(dtype):

@@ -4,11 +4,13 @@ The flat token batch is cut into work tiles of `tokens` new tokens of one sequen
 per token); a tile's rows are (token x query head of one KV group), so each K/V page is loaded once
 for the whole group. The kernel gathers its query rows from, and scatters its outputs to, the flat
 [N * H, D] arrays itself (rows padded to the MMA's 16 in registers only). Pages are found through the
-block table, several per step; split-K cuts a long context into `num_splits` page ranges whose
-float32 partials a small merge kernel combines (one split: the output is written in the query dtype
-directly). Only pages the sequence owns are ever read. K/V may be int8 or fp8 with per-token,
-per-head scales: the kernel converts the loaded integers (exactly) to the query dtype and applies the
-scales to each key's logits and each value's probabilities, not to every loaded element.
+block table, several per step. Any head dim is read at its true width (80, 96: masked loads, padded
+to a power of two in registers only), so pools hold no padding columns. Split-K cuts a long context
+into `num_splits` page ranges whose float32 partials a small merge kernel combines (one split: the
+output is written in the query dtype directly). Only pages the sequence owns are ever read. K/V may
+be int8 or fp8 with per-token, per-head scales: the kernel converts the loaded integers (exactly) to
+the query dtype and applies the scales to each key's logits and each value's probabilities, not to
+every loaded element.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class _Static:
     softcap: float | None
     scale: float
     quantized: bool
+    head_dim: int  # true width of q, the pools and the output
+    head_dim_pad: int  # width in registers: a power of two >= 16 (the MMA's K)
 
     @property
     def rows(self) -> int:
@@ -69,9 +73,25 @@ class _Static:
         return self.pages_per_tile * self.page_size
 
 
+def _head_cols(st: _Static) -> tuple[jax.Array, jax.Array]:
+    """The register tile's columns and which of them the arrays hold."""
+    cols = lax.broadcasted_iota(jnp.int32, (st.head_dim_pad,), 0)
+    return cols, cols < st.head_dim
+
+
 def _load_pages(pool_ref, ids: jax.Array, st: _Static, dtype: jnp.dtype) -> jax.Array:
-    """[block_k, D] keys or values of pages `ids`, int8/fp8 converted exactly (scales applied later)."""
-    return pool_ref[ids].reshape(st.block_k, -1).astype(dtype)
+    """[block_k, D'] keys or values of pages `ids`, int8/fp8 converted exactly (scales applied later);
+    columns past the true head dim read as zeros, which change no dot product."""
+    if st.head_dim == st.head_dim_pad:
+        return pool_ref[ids].reshape(st.block_k, -1).astype(dtype)
+    cols, col_valid = _head_cols(st)
+    slots = lax.broadcasted_iota(jnp.int32, (st.page_size,), 0)
+    pages = plgpu.load(
+        pool_ref.at[ids[:, None, None], slots[None, :, None], cols[None, None, :]],
+        mask=col_valid[None, None, :],
+        other=0,
+    )
+    return pages.reshape(st.block_k, st.head_dim_pad).astype(dtype)
 
 
 def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, *out_refs, st: _Static):
@@ -79,7 +99,8 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
     (token, query head of the group), gathered from and scattered to the flat [N * H, D] arrays."""
     t, g, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs, max_pages = kvl_ref.shape[0], bt_ref.shape[1]
-    total_rows, d = q_ref.shape
+    total_rows = q_ref.shape[0]
+    d = st.head_dim_pad
     seq, q_start = work_ref[t, 0], work_ref[t, 1]
     padding = seq >= num_seqs  # the batch's padding tokens: no keys, zero output
     s_idx = jnp.minimum(seq, num_seqs - 1)
@@ -92,8 +113,9 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
     row_valid = (tok < q_len) & (head < st.group)
     # Rows that are not real (token, head) pairs point past the array: masked, they touch nothing.
     flat = jnp.where(row_valid, (first_row + tok) * st.num_heads + g * st.group + head, total_rows)
-    cols = lax.broadcasted_iota(jnp.int32, (d,), 0)
-    q = plgpu.load(q_ref.at[flat[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
+    cols, col_valid = _head_cols(st)
+    tile_mask = row_valid[:, None] & col_valid[None, :]
+    q = plgpu.load(q_ref.at[flat[:, None], cols[None, :]], mask=tile_mask, other=0)
     pos = kv_len - q_len + tok
     # Keys this tile can see: up to its last token's position, from the window's start.
     visible_end = kv_len - q_len + jnp.minimum(q_start + st.tokens, q_len)
@@ -138,7 +160,7 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[:, None]
     o_ref = out_refs[0]
-    plgpu.store(o_ref.at[flat[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=row_valid[:, None])
+    plgpu.store(o_ref.at[flat[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=tile_mask)
     if len(out_refs) > 1:  # split-K: the partial's log-sum-exp (base 2) for the merge
         lse = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
         plgpu.store(out_refs[1].at[flat], lse, mask=row_valid)
@@ -151,10 +173,15 @@ def _max_tile_elements(head_dim: int, quantized: bool) -> int:
     return MAX_TILE_ELEMENTS // (2 if quantized and head_dim >= 256 else 1)
 
 
+def register_head_dim(head_dim: int) -> int:
+    """Width of a head in registers: a power of two (Triton tiles) and >= 16 (the MMA's K)."""
+    return max(16, pl.next_power_of_2(head_dim))
+
+
 def kernel_tile_tokens(group: int, head_dim: int, max_q_len: int, quantized: bool, block_q: int = BLOCK_Q) -> int:
     """New tokens per work tile for `group` query heads per KV head (1 for decode): what the host
     passes to kernel_work_list when it builds the work list itself."""
-    rows_per_token = pl.next_power_of_2(group) * pl.next_power_of_2(head_dim)
+    rows_per_token = pl.next_power_of_2(group) * register_head_dim(head_dim)
     max_tokens = max(1, _max_tile_elements(head_dim, quantized) // rows_per_token)
     return max(1, min(block_q, pl.next_power_of_2(max_q_len), max_tokens))
 
@@ -209,8 +236,8 @@ def ragged_paged_attention(
         raise ValueError(f"q {q.shape}, k_pool {k_pool.shape}, v_pool {v_pool.shape}: head dims/pools differ")
     if h % kh:
         raise ValueError(f"num query heads {h} must be a multiple of num kv heads {kh}")
-    if bs & (bs - 1) or d & (d - 1):
-        raise ValueError(f"block_size ({bs}) and head_dim ({d}) must be powers of two")
+    if bs & (bs - 1):
+        raise ValueError(f"block_size ({bs}) must be a power of two")
     if (k_scales is None) != (v_scales is None) or (k_scales is None) == is_quantized_kv(k_pool.dtype):
         raise ValueError("int8/fp8 pools need k_scales and v_scales; float pools take none")
     check_addressable(k_pool)
@@ -218,7 +245,8 @@ def ragged_paged_attention(
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")
     tokens = kernel_tile_tokens(h // kh, d, max_q_len or n, k_scales is not None, block_q)
     group_pad = max(pl.next_power_of_2(h // kh), 16 // tokens)  # a tile needs >= 16 rows for the MMA
-    num_warps = 8 if tokens * group_pad * d >= MAX_TILE_ELEMENTS // 2 else 4
+    d_pad = register_head_dim(d)
+    num_warps = 8 if tokens * group_pad * d_pad >= MAX_TILE_ELEMENTS // 2 else 4
     if pages_per_tile is None:
         pages_per_tile = max(1, KEYS_PER_STEP // bs)
     pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))
@@ -235,6 +263,8 @@ def ragged_paged_attention(
         softcap=logit_softcap,
         scale=d**-0.5 if scale is None else float(scale),
         quantized=k_scales is not None,
+        head_dim=d,
+        head_dim_pad=d_pad,
     )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

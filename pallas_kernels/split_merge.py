@@ -24,21 +24,22 @@ def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int) -> None:
     r = pl.program_id(0) * BLOCK_ROWS + lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0)
     valid = r < rows
     r = jnp.where(valid, r, rows)  # masked rows point past the array
-    cols = lax.broadcasted_iota(jnp.int32, (d,), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (pl.next_power_of_2(d),), 0)  # any head dim: padded, masked
+    tile_mask = valid[:, None] & (cols < d)[None, :]
     lses = [plgpu.load(lse_ref.at[c, r], mask=valid, other=-jnp.inf) for c in range(num_splits)]
     top = lses[0]
     for lse in lses[1:]:
         top = jnp.maximum(top, lse)
     top = jnp.where(top == -jnp.inf, 0.0, top)  # a row no split saw: all weights 0, output 0
-    acc = jnp.zeros((BLOCK_ROWS, d), jnp.float32)
+    acc = jnp.zeros((BLOCK_ROWS, cols.shape[0]), jnp.float32)
     total = jnp.zeros((BLOCK_ROWS,), jnp.float32)
     for c, lse in enumerate(lses):
         w = jnp.exp2(lse - top)
-        part = plgpu.load(o_ref.at[c, r[:, None], cols[None, :]], mask=valid[:, None], other=0.0)
+        part = plgpu.load(o_ref.at[c, r[:, None], cols[None, :]], mask=tile_mask, other=0.0)
         acc += w[:, None] * part
         total += w
     out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
-    plgpu.store(out_ref.at[r[:, None], cols[None, :]], out.astype(out_ref.dtype), mask=valid[:, None])
+    plgpu.store(out_ref.at[r[:, None], cols[None, :]], out.astype(out_ref.dtype), mask=tile_mask)
 
 
 def merge_splits(
@@ -52,8 +53,6 @@ def merge_splits(
     c, rows, d = o.shape
     if lse.shape != (c, rows):
         raise ValueError(f"lse {lse.shape} does not match partials {o.shape}")
-    if d & (d - 1):
-        raise ValueError(f"head_dim ({d}) must be a power of two")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))

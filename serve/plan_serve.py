@@ -182,7 +182,7 @@ def plan(
         )
         raise ValueError(f"{model} does not fit: no KV block fits in what {where} leaves")
     models = [cfg] if draft is None else [cfg, draft]
-    block_bytes = sum(kv_block_bytes(m, args.block_size, args.kv_cache_dtype, args.attn_impl) for m in models)
+    block_bytes = sum(kv_block_bytes(m, args.block_size, args.kv_cache_dtype) for m in models)
     per_token = math.ceil(block_bytes / args.block_size)
     tokens = num_blocks * args.block_size
     len_limit = min(tokens, cfg.context_length)

@@ -31,6 +31,8 @@ def test_serving_shapes_compile_without_spills():
     assert not bad, table(bad)
     assert all(r.registers > 0 for r in rows)
     assert any(r.wgmma for r in rows if r.kernel == "jaxinfra_flash_fwd")
+    true_width = [r for r in rows if " d80 " in r.shape or " d96 " in r.shape]  # masked loads, pipelined
+    assert len(true_width) == 6 and all(r.cp_async for r in true_width)
 
 
 def _ttir(num_blocks: int) -> str:

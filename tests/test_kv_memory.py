@@ -103,9 +103,9 @@ def test_the_engine_sizes_from_device_statistics_and_agrees_with_plan_serve(monk
     )
     assert blocks == planned.num_blocks > 0
     activations = step_workspace_bytes(cfg, step_tokens, args.max_num_seqs)
-    used = blocks * kv_block_bytes(cfg, args.block_size, args.kv_cache_dtype, args.attn_impl) + weights + activations
+    used = blocks * kv_block_bytes(cfg, args.block_size, args.kv_cache_dtype) + weights + activations
     assert used <= limit * (1 - XLA_SCRATCH_SHARE)
-    assert used > limit * (1 - XLA_SCRATCH_SHARE) - kv_block_bytes(cfg, args.block_size, "auto", args.attn_impl)
+    assert used > limit * (1 - XLA_SCRATCH_SHARE) - kv_block_bytes(cfg, args.block_size, "auto")
 
 
 def test_the_engine_refuses_a_model_that_does_not_fit_at_start(monkeypatch) -> None:

@@ -58,16 +58,15 @@ def test_chunked_prefill_and_decode_equal_dense(impl, kv_dtype):
 
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_engine_serves_head_dims_that_are_not_powers_of_two(head_dim):
-    """The Pallas path keeps pools padded to a power-of-two head dim: greedy tokens equal the
-    reference implementation's on unpadded pools."""
+    """Pools hold the true head dim on every path (the Pallas kernel pads in registers only), and
+    the engine sizes them so: greedy tokens of the Pallas path equal the reference implementation's."""
     from flax import nnx
 
     from jaxinfra.config import ModelConfig
     from jaxinfra.models import LlamaModel
-    from pallas_kernels import paged_head_dim
     from serve import EngineArgs, LLMEngine, SamplingParams
+    from serve.core.runner.sizing import kv_block_bytes
 
-    assert paged_head_dim(head_dim, "pallas") == 128 and paged_head_dim(head_dim, "reference") == head_dim
     cfg = ModelConfig(
         vocab_size=128,
         hidden_size=64,
@@ -92,7 +91,9 @@ def test_engine_serves_head_dims_that_are_not_powers_of_two(head_dim):
             compilation_cache_dir="",
         )
         eng = LLMEngine(model, None, args)
-        assert eng.core.runner.kv_cache.k.shape[-1] == paged_head_dim(head_dim, impl)
+        pool = eng.core.runner.kv_cache.k
+        assert pool.shape[-1] == head_dim
+        assert 2 * pool.nbytes == 16 * kv_block_bytes(cfg, 8, "auto")
         for i, prompt in enumerate(([3, 9, 27, 81, 5], [7, 1])):
             eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         done = {}

@@ -132,4 +132,4 @@ def kv_cache_blocks(
     else:
         activations = step_workspace_bytes(cfg, step_tokens, args.max_num_seqs, tp)
         memory = kv_pool_bytes(device, args.gpu_memory_utilization, weight_bytes // tp, activations)
-    return num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, memory, args.attn_impl, tp, draft)
+    return num_blocks_for_memory(cfg, args.block_size, args.kv_cache_dtype, memory, tp, draft)

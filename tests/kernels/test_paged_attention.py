@@ -167,11 +167,14 @@ def test_tile_plan_host_equals_device(lens, seqs, tokens):
         (128, 4, 32, "int8", False),
         (128, 8, 16, "bfloat16", False),
         (256, 1, 32, "bfloat16", False),
+        (80, 4, 16, "bfloat16", False),
+        (96, 1, 32, "int8", True),
     ],
 )
 def test_serving_head_dims_gqa_blocks_dtypes(d, gqa, bs, dtype, decode):
     """The issue's matrix, each value at least once (head dims 64/128/256, GQA 1/4/8, pages of
-    16/32/64, bf16/int8/fp8, decode and prefill), on poisoned pools, one split and three."""
+    16/32/64, bf16/int8/fp8, decode and prefill), on poisoned pools, one split and three; head dims
+    80 and 96 on pools of their true width."""
     kh = 2
     q_lens = [1, 1, 1, 0] if decode else [1, 37, 5, 0]
     kv_lens = [70, 1, 129, 0] if decode else [70, 37, 129, 0]
@@ -227,12 +230,12 @@ def test_kernel_work_list_covers_every_token_once(lens, seqs, tokens, n_pad):
         assert len(host) == n and [bounds[sq] + st for sq, st in host] == list(range(n))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_merge_splits_matches_reference(dtype):
+@pytest.mark.parametrize("dtype,d", [(jnp.float32, D), (jnp.bfloat16, D), (jnp.bfloat16, 80)])
+def test_merge_splits_matches_reference(dtype, d):
     """Split-K merge kernel: 3 splits over 37 rows (not a multiple of the block), some splits empty
-    (lse -inf), one row empty in every split (output 0)."""
+    (lse -inf), one row empty in every split (output 0); a head dim that is not a power of two."""
     ks = jax.random.split(jax.random.key(13), 3)
-    o = jax.random.normal(ks[0], (3, 37, D))
+    o = jax.random.normal(ks[0], (3, 37, d))
     lse = jax.random.normal(ks[1], (3, 37)) * 4
     lse = jnp.where(jax.random.bernoulli(ks[2], 0.3, (3, 37)), -jnp.inf, lse).at[:, 5].set(-jnp.inf)
     got = merge_splits(o, lse, dtype)

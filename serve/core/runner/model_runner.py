@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.llama import layer_graph, stack_layers, unstack_layers
-from pallas_kernels import PagedKVCache, paged_head_dim
+from pallas_kernels import PagedKVCache
 from pallas_kernels.kv_quant import is_quantized_kv
 from serve.config import kv_storage_dtype
 from serve.core.host_transfer import Layout, pack
@@ -106,7 +106,7 @@ class ModelRunner:
             layout.num_blocks,
             layout.block_size,
             cfg.num_kv_heads,
-            paged_head_dim(cfg.head_dim, self.attn_impl),
+            cfg.head_dim,
             kv_storage_dtype(layout.kv_cache_dtype, cfg.dtype),
             num_layers=cfg.num_layers,
         )
@@ -142,7 +142,7 @@ class ModelRunner:
         self.proposer: DeviceProposer | None = None
         if proposer is not None and proposer.device is not None:
             self.proposer = proposer.device(
-                self.device, step_of, layout.num_blocks, layout.kv_cache_dtype, self.attn_impl, layout.max_model_len
+                self.device, step_of, layout.num_blocks, layout.kv_cache_dtype, layout.max_model_len
             )
         self.slots = SlotTable(2 * layout.max_num_seqs, layout.max_blocks, cfg.vocab_size)
         self.ready = ReadyShapes()  # the compiled shapes batches pad to while warm-up runs

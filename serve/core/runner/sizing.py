@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from jaxinfra.config import ModelConfig
-from pallas_kernels import addressable_blocks, kv_bytes_per_element, paged_head_dim, paged_impl
+from pallas_kernels import addressable_blocks, kv_bytes_per_element
 from serve.config import kv_storage_dtype
 
 
@@ -28,12 +28,10 @@ def fit(n: int, options: Sequence[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
 
 
-def kv_block_bytes(
-    cfg: ModelConfig, block_size: int, kv_dtype: str, attn_impl: str | None = None, tensor_parallel_size: int = 1
-) -> int:
-    """Bytes of one KV block on each device: every layer's K and V for its 1/TP of the KV heads."""
-    dtype = kv_storage_dtype(kv_dtype, cfg.dtype)
-    d = paged_head_dim(cfg.head_dim, paged_impl(attn_impl))
+def kv_block_bytes(cfg: ModelConfig, block_size: int, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one KV block on each device: every layer's K and V for its 1/TP of the KV heads, at
+    the true head dim (the kernels pad 80 or 96 to a power of two in registers only)."""
+    dtype, d = kv_storage_dtype(kv_dtype, cfg.dtype), cfg.head_dim
     kv_heads = cfg.num_kv_heads // tensor_parallel_size
     return math.ceil(2 * cfg.num_layers * kv_heads * d * kv_bytes_per_element(dtype, d) * block_size)
 
@@ -43,19 +41,17 @@ def num_blocks_for_memory(
     block_size: int,
     kv_dtype: str,
     memory_bytes: int,
-    attn_impl: str | None = None,
     tensor_parallel_size: int = 1,
     draft: ModelConfig | None = None,
 ) -> int:
     """KV blocks whose 1/TP of the KV heads fit `memory_bytes` on each device, within what Triton
     addresses; with a `draft` model (speculative decoding's), its pool of as many blocks shares them."""
     models = (cfg,) if draft is None else (cfg, draft)
-    per_block = sum(kv_block_bytes(m, block_size, kv_dtype, attn_impl, tensor_parallel_size) for m in models)
+    per_block = sum(kv_block_bytes(m, block_size, kv_dtype, tensor_parallel_size) for m in models)
     num_blocks = int(max(memory_bytes, 0) // per_block)
     limits = []
     for m in models:  # every layer's blocks form one pool (stacked on a layers axis): addressable whole
-        d = paged_head_dim(m.head_dim, paged_impl(attn_impl))
-        block_elements = block_size * (m.num_kv_heads // tensor_parallel_size) * d
+        block_elements = block_size * (m.num_kv_heads // tensor_parallel_size) * m.head_dim
         itemsize = jnp.dtype(kv_storage_dtype(kv_dtype, m.dtype)).itemsize
         limits.append(addressable_blocks(num_blocks * m.num_layers, block_elements, itemsize) // m.num_layers)
     return min(limits)

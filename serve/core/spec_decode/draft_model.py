@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfra.sampling import argmax
-from pallas_kernels import PagedKVCache, paged_head_dim
+from pallas_kernels import PagedKVCache
 from pallas_kernels.kv_quant import is_quantized_kv
 from pallas_kernels.paged_tiles import kernel_work_list
 from pallas_kernels.ragged_paged_attention import kernel_tile_tokens
@@ -109,7 +109,6 @@ class DraftModelRunner:
         *,
         num_blocks: int,
         kv_cache_dtype: str,
-        attn_impl: str,
     ) -> None:
         """`device`, `weights`: the draft model's step closure and flat weights, as the target's runner
         makes its own."""
@@ -119,7 +118,7 @@ class DraftModelRunner:
             num_blocks,
             target.block_size,
             cfg.num_kv_heads,
-            paged_head_dim(cfg.head_dim, attn_impl),
+            cfg.head_dim,
             kv_storage_dtype(kv_cache_dtype, cfg.dtype),
             num_layers=cfg.num_layers,
         )

@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxinfra.models.eagle import EagleHead
 from jaxinfra.sampling import argmax
-from pallas_kernels import PagedKVCache, paged_head_dim
+from pallas_kernels import PagedKVCache
 from serve.config import kv_storage_dtype
 from serve.core.host_transfer import unpack
 from serve.core.runner.device_step import DeviceStep
@@ -112,7 +112,6 @@ class EagleRunner:
         *,
         num_blocks: int,
         kv_cache_dtype: str,
-        attn_impl: str,
         max_len: int,
     ) -> None:
         """`max_len`: the engine's max_model_len (no KV slot past it)."""
@@ -123,7 +122,7 @@ class EagleRunner:
             num_blocks,
             target.block_size,
             cfg.num_kv_heads,
-            paged_head_dim(cfg.head_dim, attn_impl),
+            cfg.head_dim,
             kv_storage_dtype(kv_cache_dtype, cfg.dtype),
         )
         self.step = EagleStep(target, self.head_def, k)

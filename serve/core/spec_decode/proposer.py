@@ -107,7 +107,7 @@ class DeviceBuilder(Protocol):
     """Places a DeviceProposer beside the target's step (its KV pool of `num_blocks` blocks)."""
 
     def __call__(
-        self, target: DeviceStep, step_of: StepOf, num_blocks: int, kv_cache_dtype: str, attn_impl: str, max_len: int, /
+        self, target: DeviceStep, step_of: StepOf, num_blocks: int, kv_cache_dtype: str, max_len: int, /
     ) -> DeviceProposer: ...
 
 
@@ -139,8 +139,8 @@ def _draft_model(spec: SpeculativeConfig, target: ModelConfig, args: EngineArgs)
     """A draft model (its vocabulary was checked against the target's) in the target's dtype."""
     draft = load_model(_on_device(spec, args), target.dtype, attn_impl=args.attn_impl)
 
-    def build(target: DeviceStep, step_of: StepOf, num_blocks: int, dtype: str, impl: str, _: int) -> DeviceProposer:
-        return DraftModelRunner(target, *step_of(draft), num_blocks=num_blocks, kv_cache_dtype=dtype, attn_impl=impl)
+    def build(target: DeviceStep, step_of: StepOf, num_blocks: int, dtype: str, _: int) -> DeviceProposer:
+        return DraftModelRunner(target, *step_of(draft), num_blocks=num_blocks, kv_cache_dtype=dtype)
 
     return Proposer(DraftSlots(spec.num_speculative_tokens), draft.cfg, build)
 
@@ -150,10 +150,8 @@ def _eagle(spec: SpeculativeConfig, target: ModelConfig, args: EngineArgs) -> Pr
     head = load_eagle_head(model_dir(_on_device(spec, args)), target, attn_impl=args.attn_impl)
     k = spec.num_speculative_tokens
 
-    def build(target: DeviceStep, _: StepOf, num_blocks: int, dtype: str, impl: str, max_len: int) -> DeviceProposer:
-        return EagleRunner(
-            target, head, k, num_blocks=num_blocks, kv_cache_dtype=dtype, attn_impl=impl, max_len=max_len
-        )
+    def build(target: DeviceStep, _: StepOf, num_blocks: int, dtype: str, max_len: int) -> DeviceProposer:
+        return EagleRunner(target, head, k, num_blocks=num_blocks, kv_cache_dtype=dtype, max_len=max_len)
 
     return Proposer(EagleDrafts(k), head.cfg, build, target_hidden=True)  # the head's features
 

@@ -31,7 +31,7 @@ from jaxinfra.loading import load_config
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
     """FLOPs of one causal prefill of `tokens` tokens: 2 per matmul weight per token (the embedding
     table is only gathered) plus QK^T and PV over the causal half of the score matrix."""
-    weights = cfg.num_active_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    weights = cfg.num_matmul_params
     attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens  # 2 matmuls x 2 FLOPs x T^2 / 2
     return 2.0 * weights * tokens + attention
 

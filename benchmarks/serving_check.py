@@ -46,7 +46,7 @@ def decode_roofline_ms(model: str, dtype: str, seqs: int, context: int, bandwidt
     only gathered) plus `seqs` sequences' K and V over `context` tokens, at the copy bandwidth."""
     cfg = load_config(model)
     per = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
-    weights = cfg.num_active_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    weights = cfg.num_matmul_params
     kv = seqs * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * per
     return (weights * per + kv) / (bandwidth_gbs * 1e9) * 1e3
 

@@ -176,6 +176,12 @@ class ModelConfig:
         """Parameters one token uses: num_params with only the top-k experts of each MoE layer."""
         return self._count_params(active=True)
 
+    @property
+    def num_matmul_params(self) -> int:
+        """Weights one token is multiplied by: num_active_params less the embedding table, which is only
+        gathered (a tied table still counts once, as the LM head)."""
+        return self.num_active_params - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+
     def _count_params(self, active: bool) -> int:
         e = self.hidden_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * e

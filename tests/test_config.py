@@ -31,6 +31,9 @@ def test_param_count_matches_built_model(name):
     assert n == cfg.num_params
     if name in REAL_SHAPES:
         assert n == REAL_SHAPES[name]  # the published parameter counts
+    if not cfg.num_experts:  # the weights a token multiplies by: all but an untied embedding table
+        table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+        assert cfg.num_matmul_params == n - table
 
 
 def test_from_hf_v4_style_rope_scaling():

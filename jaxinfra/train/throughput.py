@@ -14,8 +14,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM's accounting: 6 x matmul params (the embedding lookup is not a
     matmul; a tied embedding still is the LM head; a mixture of experts counts the top-k experts a
     token uses) + 12 x layers x attention width x sequence length."""
-    matmul_params = cfg.num_active_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return 6.0 * cfg.num_matmul_params + 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 
 
 def device_peak_tflops() -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
@@ -11,6 +12,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import cpu_paged_attention
 from pallas_kernels.attention_reference import mha_reference
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu
 from pallas_kernels.metadata import (
     AttentionMetadata,
     ContiguousCacheMetadata,
@@ -25,8 +27,8 @@ from pallas_kernels.paged_attention_reference import paged_attention_reference, 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention as ragged_paged_attention_pallas
 from pallas_kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 
-Impl = Literal["pallas", "reference", "xla", "cudnn"]
-IMPLS: tuple[str, ...] = ("pallas", "reference", "xla", "cudnn")
+Impl = Literal["pallas", "mosaic", "reference", "xla", "cudnn"]
+IMPLS: tuple[str, ...] = ("pallas", "mosaic", "reference", "xla", "cudnn")
 
 
 def default_impl() -> str:
@@ -70,6 +72,45 @@ def _jax_nn_attention(
     )
 
 
+def _mosaic_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool,
+    q_segment_ids: jax.Array | None,
+    kv_segment_ids: jax.Array | None,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    scale: float | None,
+) -> jax.Array:
+    """Our Mosaic GPU forward (Hopper): plain causal or full attention, inference only."""
+    unsupported = {
+        "segment_ids": q_segment_ids is not None,
+        "sliding_window": sliding_window is not None,
+        "logit_softcap": logit_softcap is not None,
+    }
+    if names := [name for name, given in unsupported.items() if given]:
+        raise ValueError(f"impl='mosaic' does not support {', '.join(names)}: use impl='pallas'")
+    return _forward_only(q, k, v, causal, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _forward_only(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, scale: float | None) -> jax.Array:
+    return flash_attention_mgpu(q, k, v, causal=causal, scale=scale)
+
+
+def _forward_only_fwd(q, k, v, causal, scale):
+    return _forward_only(q, k, v, causal, scale), None
+
+
+def _forward_only_bwd(causal, scale, residuals, do):
+    raise NotImplementedError("impl='mosaic' has no backward pass yet: train with impl='pallas'")
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
 def dot_product_attention(
     q: Float[Array, "B T H D"],
     k: Float[Array, "B S KH D"],
@@ -97,6 +138,8 @@ def dot_product_attention(
         return mha_reference(q, k, v, **kwargs)
     if impl == "pallas":
         return flash_attention(q, k, v, **kwargs)
+    if impl == "mosaic":
+        return _mosaic_attention(q, k, v, **kwargs)
     return _jax_nn_attention(q, k, v, implementation="cudnn" if impl == "cudnn" else "xla", **kwargs)
 
 

@@ -1,0 +1,237 @@
+"""Flash attention forward for Hopper in Pallas' Mosaic GPU dialect: TMA copies, wgmma, K/V pipelined.
+
+One warpgroup per program owns `block_q` query rows of one head. Q is copied to shared memory once;
+K and V tiles stream through a ring of `stages` shared-memory slots by TMA, each slot refilled as
+soon as the wgmma that read it has finished, so `stages - 1` tiles are in flight while one is used.
+QK^T and PV are wgmma (P from registers, K transposed in place), the softmax is online in base 2,
+and causal programs stop at their diagonal, masking only the tiles that cross it. The output goes
+back by TMA from shared memory. Inference only (no backward); selected as `impl="mosaic"`.
+
+Off a GPU it runs under Mosaic GPU's interpreter (`interpret=True`), which is how CI checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float
+
+LOG2E = math.log2(math.e)
+SWIZZLE = 128  # bytes: the widest swizzle, for 64 bf16 columns a row segment
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+    """Tile sizes: query rows per program (one warpgroup: 64) and keys per pipelined step."""
+
+    block_q: int = 64
+    block_k: int = 64
+    stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_q != 64 or self.block_k % 64 or self.block_k <= 0:
+            raise ValueError(f"MosaicBlocks: block_q must be 64 and block_k a multiple of 64, got {self}")
+        if self.stages < 2:
+            raise ValueError(f"MosaicBlocks.stages must be >= 2, got {self.stages}")
+
+
+def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
+    """Shared memory laid out for TMA and wgmma: 8-row x 64-column tiles, 128-byte swizzle."""
+    tiling = plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, *p_smem, cfg: _Config):
+    """One program: block_q query rows of one head over the K/V tiles they can see."""
+    q_tile, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    kv_head = lax.div(head, cfg.group)
+    q0 = q_tile * cfg.block_q
+    if cfg.causal:  # tiles past the last query's position are never loaded
+        last = q0 + cfg.block_q + cfg.offset
+        steps = jnp.clip(lax.div(last + cfg.block_k - 1, cfg.block_k), 0, cfg.num_steps)
+        full = jnp.clip(lax.div(q0 + cfg.offset + 1, cfg.block_k), 0, steps)  # tiles wholly visible
+    else:
+        steps = full = jnp.int32(cfg.num_steps)
+
+    def fetch(step, slot):
+        rows = pl.ds(step * cfg.block_k, cfg.block_k)
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem.at[slot], v_bars.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, cfg.block_q), head], q_smem, q_bar)
+    for s in range(cfg.stages):
+
+        @pl.when(s < steps)
+        def _prefetch(s=s):
+            fetch(jnp.int32(s), s)
+
+    plgpu.barrier_wait(q_bar)
+
+    def body(step, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(step, cfg.stages)
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        s = _scores(q_smem, k_smem.at[slot], cfg) * (cfg.scale * LOG2E)
+        if masked:
+            rows, cols = (_iota(s.shape, axis, cfg) for axis in (0, 1))
+            s = jnp.where(q0 + rows + cfg.offset >= step * cfg.block_k + cols, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw no key yet stays all zero
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+        alpha = jnp.exp2(m - m_safe)
+        l = l * alpha + p.sum(axis=1)
+        plgpu.barrier_wait(v_bars.at[slot])
+
+        pv = _values(p.astype(cfg.dtype), v_smem.at[slot], p_smem, cfg)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+        @pl.when(step + cfg.stages < steps)  # both wgmma that read this slot are done: refill it
+        def _refill():
+            fetch(step + cfg.stages, slot)
+
+        return acc, m_new, l
+
+    rows_layout = plgpu.Layout.WGMMA.reduce(1)
+    init = (
+        _in_layout(jnp.zeros((cfg.block_q, cfg.head_dim), jnp.float32), plgpu.Layout.WGMMA, cfg),
+        _in_layout(jnp.full((cfg.block_q,), -jnp.inf, jnp.float32), rows_layout, cfg),
+        _in_layout(jnp.zeros((cfg.block_q,), jnp.float32), rows_layout, cfg),
+    )
+    carry = lax.fori_loop(0, full, functools.partial(body, masked=False), init)
+    acc, _, l = lax.fori_loop(full, steps, functools.partial(body, masked=True), carry)
+    l = jnp.where(l == 0.0, 1.0, l)  # rows that see no key (a causal offset < 0): output 0
+    q_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(cfg.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, pl.ds(q0, cfg.block_q), head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _scores(q_smem, k_slot, cfg: _Config) -> jax.Array:
+    """Q K^T [block_q, block_k] in float32: a wgmma reading K transposed in place. The interpreter
+    cannot transpose a shared-memory operand, so there the product is taken from registers."""
+    if cfg.interpret:
+        return lax.dot_general(q_smem[...], k_slot[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((cfg.block_q, cfg.block_k), jnp.float32))
+
+
+def _values(p: jax.Array, v_slot, p_smem: tuple, cfg: _Config) -> jax.Array:
+    """P V [block_q, head_dim] in float32: a wgmma with P from registers. The interpreter takes wgmma
+    operands from shared memory only, so there P goes through the one buffer in `p_smem`."""
+    a = p
+    if cfg.interpret:
+        (a,) = p_smem
+        a[...] = p
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, v_slot)
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((cfg.block_q, cfg.head_dim), jnp.float32))
+
+
+def _in_layout(x: jax.Array, layout: Any, cfg: _Config) -> jax.Array:
+    """x in the register layout wgmma's accumulators use (the interpreter has no layouts)."""
+    return x if cfg.interpret else plgpu.layout_cast(x, layout)
+
+
+def _iota(shape: tuple[int, ...], axis: int, cfg: _Config) -> jax.Array:
+    """Row or column indices of a wgmma accumulator."""
+    if cfg.interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, axis)
+    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    causal: bool
+    scale: float
+    offset: int  # query i sits at key position i + offset
+    group: int  # query heads per K/V head
+    block_q: int
+    block_k: int
+    stages: int
+    num_steps: int  # K/V tiles of the whole sequence
+    head_dim: int
+    dtype: jnp.dtype
+    interpret: bool  # run by Mosaic GPU's CPU interpreter
+
+
+def flash_attention_mgpu(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S KH D"],
+    v: Float[Array, "B S KH D"],
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    blocks: MosaicBlocks | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "B T H D"]:
+    """Attention with the reference's semantics (queries aligned to the end of the keys), bf16 or
+    f16, head dim 64 or 128, T a multiple of 64 and S of block_k. `interpret` defaults to True off GPU."""
+    b, t, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    blocks = blocks or MosaicBlocks()
+    if k.shape != (b, s, kh, d) or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected [B,T,H,D], [B,S,KH,D] x2")
+    if h % kh:
+        raise ValueError(f"num query heads {h} must be a multiple of num kv heads {kh}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a 16-bit float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128, got {d}")
+    if t % blocks.block_q or s % blocks.block_k:
+        raise ValueError(f"T ({t}) must be a multiple of {blocks.block_q} and S ({s}) of {blocks.block_k}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    cfg = _Config(
+        causal=causal,
+        scale=d**-0.5 if scale is None else float(scale),
+        offset=s - t,
+        group=h // kh,
+        block_q=blocks.block_q,
+        block_k=blocks.block_k,
+        stages=min(blocks.stages, s // blocks.block_k),
+        num_steps=s // blocks.block_k,
+        head_dim=d,
+        dtype=q.dtype,
+        interpret=interpret,
+    )
+    interpret_params = _interpreter() if interpret else None
+    return plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=[
+            _smem((cfg.block_q, d), q.dtype),
+            _smem((cfg.stages, cfg.block_k, d), q.dtype),
+            _smem((cfg.stages, cfg.block_k, d), q.dtype),
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=1, num_barriers=cfg.stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=cfg.stages),
+            *([_smem((cfg.block_q, cfg.block_k), q.dtype)] if interpret else []),
+        ],
+        grid=(t // cfg.block_q, h, b),
+        grid_names=("q", "heads", "batch"),
+        interpret=interpret_params,
+        kernel_name="jaxinfra_flash_fwd_mgpu",
+    )(q, k, v)
+
+
+def _interpreter():
+    """Mosaic GPU's CPU interpreter (simulated shared memory, barriers and TMA)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()

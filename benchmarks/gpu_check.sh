@@ -60,7 +60,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GPU_CHECK
 if [ "$DRY" = 1 ]; then
   export JAX_PLATFORMS=cpu
   QUICK=--quick
-  BUDGET_SCALE=3  # a loaded 2-core CPU (the test suite beside it) starts a server 2-3x slower than an idle one
+  # Quick steps end long before their budgets on an idle CPU; on a loaded 2-core CPU (the test suite
+  # beside it) they ran 2-4.5x slower than idle, and 3x budgets cut the paged step's prefill row.
+  BUDGET_SCALE=5
 else
   BUDGET_SCALE=1
   export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.9

@@ -42,7 +42,7 @@ def _summary_steps(out: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_cpu_dry_run_runs_every_step_into_six_files(tmp_path):
-    r = _check(tmp_path, "--cpu-dry-run", timeout=600)
+    r = _check(tmp_path, "--cpu-dry-run", timeout=900)
     assert r.returncode == 0, r.stdout.split("## Steps")[-1][:3000] + r.stderr[-2000:]
     files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert len(files) <= 6 and "summary.md" in files and "logs.tar.gz" in files, files

@@ -73,24 +73,11 @@ def _jax_nn_attention(
 
 
 def _mosaic_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    causal: bool,
-    q_segment_ids: jax.Array | None,
-    kv_segment_ids: jax.Array | None,
-    sliding_window: int | None,
-    logit_softcap: float | None,
-    scale: float | None,
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None, **features: Any
 ) -> jax.Array:
-    """Our Mosaic GPU forward (Hopper): plain causal or full attention, inference only."""
-    unsupported = {
-        "segment_ids": q_segment_ids is not None,
-        "sliding_window": sliding_window is not None,
-        "logit_softcap": logit_softcap is not None,
-    }
-    if names := [name for name, given in unsupported.items() if given]:
+    """Our Mosaic GPU forward (Hopper): plain causal or full attention, inference only. `features`:
+    the dispatcher's other arguments (segment ids, window, soft-cap), which it refuses when given."""
+    if names := [name for name, value in features.items() if value is not None]:
         raise ValueError(f"impl='mosaic' does not support {', '.join(names)}: use impl='pallas'")
     return _forward_only(q, k, v, causal, scale)
 

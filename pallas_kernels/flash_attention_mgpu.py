@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -25,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
-LOG2E = math.log2(math.e)
+from pallas_kernels.flash_tiles import LOG2E
+
 SWIZZLE = 128  # bytes: the widest swizzle, for 64 bf16 columns a row segment
 CONSUMERS = 2  # warpgroups that compute, 64 query rows each (wgmma's M)
 CONSUMER_ROWS = 64
@@ -35,7 +35,8 @@ PRODUCER_REGISTERS = 40
 
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
-    """Tile sizes: query rows per program (one warpgroup: 64) and keys per pipelined step."""
+    """Tile sizes: query rows per program (two consumer warpgroups of 64: 128), keys per pipelined step,
+    and the K/V ring's slots."""
 
     block_q: int = 128
     block_k: int = 64

@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tile_ops import dot
+from pallas_kernels.tile_ops import dot, head_cols, register_head_dim
 
 LOG2E = math.log2(math.e)
 
@@ -75,20 +75,19 @@ class FlashStatic:
 
     @property
     def head_dim_pad(self) -> int:
-        """Width in registers: Triton tiles are powers of two, the MMA's K at least 16."""
-        return max(16, pl.next_power_of_2(self.head_dim))
+        return register_head_dim(self.head_dim)
 
 
 def _tile_index(ref, first: jax.Array | int, n: int, st: FlashStatic) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """Gather indices of ref[first:first + n] (2 or 3 dims) padded to head_dim_pad columns, and the
     mask of the columns that exist."""
-    cols = lax.broadcasted_iota(jnp.int32, (st.head_dim_pad,), 0)
+    cols, col_valid = head_cols(st.head_dim)
     inner = ref.shape[1:-1]
     axes = [first + lax.broadcasted_iota(jnp.int32, (n,), 0)]
     axes += [lax.broadcasted_iota(jnp.int32, (size,), 0) for size in inner] + [cols]
     rank = len(axes)
     idx = tuple(a.reshape((1,) * i + (-1,) + (1,) * (rank - 1 - i)) for i, a in enumerate(axes))
-    return idx, (cols < st.head_dim).reshape((1,) * (rank - 1) + (-1,))
+    return idx, col_valid.reshape((1,) * (rank - 1) + (-1,))
 
 
 def load_tile(ref, first: jax.Array | int, n: int, st: FlashStatic) -> jax.Array:

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.kv_quant import is_quantized_kv
 from pallas_kernels.paged_tiles import kernel_work_list, max_work_tiles
 from pallas_kernels.split_merge import merge_splits
-from pallas_kernels.tile_ops import dot, online_softmax_step
+from pallas_kernels.tile_ops import dot, head_cols, online_softmax_step, register_head_dim
 
 LOG2E = math.log2(math.e)
 # Rows x head_dim one program holds in registers (q, the f32 accumulator): past this ptxas spills on
@@ -62,7 +62,10 @@ class _Static:
     scale: float
     quantized: bool
     head_dim: int  # true width of q, the pools and the output
-    head_dim_pad: int  # width in registers: a power of two >= 16 (the MMA's K)
+
+    @property
+    def head_dim_pad(self) -> int:
+        return register_head_dim(self.head_dim)
 
     @property
     def rows(self) -> int:
@@ -73,18 +76,12 @@ class _Static:
         return self.pages_per_tile * self.page_size
 
 
-def _head_cols(st: _Static) -> tuple[jax.Array, jax.Array]:
-    """The register tile's columns and which of them the arrays hold."""
-    cols = lax.broadcasted_iota(jnp.int32, (st.head_dim_pad,), 0)
-    return cols, cols < st.head_dim
-
-
 def _load_pages(pool_ref, ids: jax.Array, st: _Static, dtype: jnp.dtype) -> jax.Array:
     """[block_k, D'] keys or values of pages `ids`, int8/fp8 converted exactly (scales applied later);
     columns past the true head dim read as zeros, which change no dot product."""
     if st.head_dim == st.head_dim_pad:
         return pool_ref[ids].reshape(st.block_k, -1).astype(dtype)
-    cols, col_valid = _head_cols(st)
+    cols, col_valid = head_cols(st.head_dim)
     slots = lax.broadcasted_iota(jnp.int32, (st.page_size,), 0)
     pages = plgpu.load(
         pool_ref.at[ids[:, None, None], slots[None, :, None], cols[None, None, :]],
@@ -113,7 +110,7 @@ def _kernel(work_ref, cu_ref, kvl_ref, bt_ref, q_ref, k_ref, v_ref, ks_ref, vs_r
     row_valid = (tok < q_len) & (head < st.group)
     # Rows that are not real (token, head) pairs point past the array: masked, they touch nothing.
     flat = jnp.where(row_valid, (first_row + tok) * st.num_heads + g * st.group + head, total_rows)
-    cols, col_valid = _head_cols(st)
+    cols, col_valid = head_cols(st.head_dim)
     tile_mask = row_valid[:, None] & col_valid[None, :]
     q = plgpu.load(q_ref.at[flat[:, None], cols[None, :]], mask=tile_mask, other=0)
     pos = kv_len - q_len + tok
@@ -171,11 +168,6 @@ def _max_tile_elements(head_dim: int, quantized: bool) -> int:
     tiles and per-key scales: at head dim 256 that needs half the rows (else 24 B of spills per thread
     at 8 warps, sm_90a, with the scales on logits and probabilities)."""
     return MAX_TILE_ELEMENTS // (2 if quantized and head_dim >= 256 else 1)
-
-
-def register_head_dim(head_dim: int) -> int:
-    """Width of a head in registers: a power of two (Triton tiles) and >= 16 (the MMA's K)."""
-    return max(16, pl.next_power_of_2(head_dim))
 
 
 def kernel_tile_tokens(group: int, head_dim: int, max_q_len: int, quantized: bool, block_q: int = BLOCK_Q) -> int:
@@ -245,8 +237,7 @@ def ragged_paged_attention(
         raise ValueError(f"cu_q_lens {cu_q_lens.shape} / kv_lens {kv_lens.shape} do not match {s} sequences")
     tokens = kernel_tile_tokens(h // kh, d, max_q_len or n, k_scales is not None, block_q)
     group_pad = max(pl.next_power_of_2(h // kh), 16 // tokens)  # a tile needs >= 16 rows for the MMA
-    d_pad = register_head_dim(d)
-    num_warps = 8 if tokens * group_pad * d_pad >= MAX_TILE_ELEMENTS // 2 else 4
+    num_warps = 8 if tokens * group_pad * register_head_dim(d) >= MAX_TILE_ELEMENTS // 2 else 4
     if pages_per_tile is None:
         pages_per_tile = max(1, KEYS_PER_STEP // bs)
     pages_per_tile = min(pages_per_tile, pl.next_power_of_2(mb))
@@ -264,7 +255,6 @@ def ragged_paged_attention(
         scale=d**-0.5 if scale is None else float(scale),
         quantized=k_scales is not None,
         head_dim=d,
-        head_dim_pad=d_pad,
     )
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

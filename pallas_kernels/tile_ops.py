@@ -1,10 +1,12 @@
-"""Pieces shared by the tiled kernels: float32-accumulating matmul and the online-softmax step."""
+"""Pieces shared by the tiled kernels: float32-accumulating matmul, the online-softmax step, and the
+register width of a head."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
@@ -26,3 +28,14 @@ def online_softmax_step(
     corr = jnp.exp2(m - m_safe)
     pv = p if v_scale is None else p * v_scale[None, :]
     return corr[:, None] * acc + dot(pv.astype(v.dtype), v), m_new, corr * l + jnp.sum(p, axis=-1)
+
+
+def register_head_dim(head_dim: int) -> int:
+    """Width of a head in registers: a power of two (Triton tiles) and >= 16 (the MMA's K)."""
+    return max(16, pl.next_power_of_2(head_dim))
+
+
+def head_cols(head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """A register tile's columns (register_head_dim of them) and which of them the arrays hold."""
+    cols = lax.broadcasted_iota(jnp.int32, (register_head_dim(head_dim),), 0)
+    return cols, cols < head_dim

@@ -34,6 +34,7 @@ from serve import EngineArgs, LLMEngine, SamplingParams
 MODEL = "tiny-llama-128k"
 CHUNK = 1024  # max_num_batched_tokens: a step's tokens
 QUESTION = 1000  # tokens after the shared document in each long prompt
+STREAM_PROMPT, STREAM_TOKENS = 32, 256  # each stream request's prompt and output tokens
 
 
 def rss_bytes() -> int:
@@ -50,13 +51,29 @@ def peak_rss_bytes() -> int:
 
 
 class Recorder:
-    """Steps the engine and records each step's host time and each stream's token arrival times."""
+    """Steps the engine and records each step's host time and each request's token arrival times; keeps
+    `streams` requests running, each STREAM_PROMPT prompt tokens and STREAM_TOKENS output tokens, a
+    new one in the place of each that finishes (so their contexts, and their own decode cost, stay the
+    same whether the long prompt is there or not)."""
 
-    def __init__(self, eng: LLMEngine) -> None:
+    def __init__(self, eng: LLMEngine, streams: int, rng: np.random.Generator) -> None:
         self.eng = eng
+        self.rng = rng
         self.arrivals: dict[str, list[float]] = {}
         self.host: list[float] = []
         self.cpu: list[float] = []
+        self.added: dict[str, float] = {}  # each stream request's arrival
+        self.started = 0
+        for _ in range(streams):
+            self.start_stream()
+
+    def start_stream(self) -> None:
+        prompt = self.rng.integers(0, self.eng.core.vocab_size, STREAM_PROMPT).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, ignore_eos=True, output_kind="delta")
+        rid = f"stream{self.started}"
+        self.eng.add_request(rid, prompt, params)
+        self.added[rid] = time.perf_counter()
+        self.started += 1
 
     def step(self) -> None:
         core = self.eng.core
@@ -67,19 +84,25 @@ class Recorder:
         now = time.perf_counter()
         for out in outputs:
             self.arrivals.setdefault(out.request_id, []).extend([now] * len(out.outputs[0].token_ids))
+            if out.finished and out.request_id.startswith("stream"):
+                self.start_stream()
 
     def mark(self) -> tuple[int, float]:
         """Where the recording stands: (steps so far, time)."""
         return len(self.host), time.perf_counter()
 
-    def tpot(self, streams: list[str], start: float, end: float) -> dict[str, float]:
-        """The streams' gaps between consecutive tokens that arrived within [start, end]: mean (TPOT) and
-        median, in seconds (a step shape's first use compiles it: the mean counts those stalls)."""
-        gaps = []
-        for rid in streams:
-            times = [t for t in self.arrivals.get(rid, []) if start <= t <= end]
-            gaps.extend(np.diff(times).tolist())
-        return {"tpot_s": float(np.mean(gaps)), "median_gap_s": float(np.median(gaps))}
+    def tpot(self, start: float, end: float) -> dict[str, float]:
+        """The streams' gaps between consecutive tokens of a request that arrived within [start, end]: mean
+        (TPOT) and median, in seconds (a step shape's first use compiles it: the mean counts those stalls);
+        and the mean TTFT of the stream requests whose first token arrived then, and how many did."""
+        gaps, ttfts = [], []
+        for rid, arrivals in self.arrivals.items():
+            if rid.startswith("stream"):
+                gaps.extend(np.diff([t for t in arrivals if start <= t <= end]).tolist())
+                if start <= arrivals[0] <= end:
+                    ttfts.append(arrivals[0] - self.added[rid])
+        stats = {"tpot_s": float(np.mean(gaps)), "median_gap_s": float(np.median(gaps))}
+        return {**stats, "stream_ttft_s": float(np.mean(ttfts)) if ttfts else float("nan"), "stream_starts": len(ttfts)}
 
     def host_ms(self, first: int, last: int) -> dict[str, float]:
         """Median host wall and CPU milliseconds per step over steps [first, last)."""
@@ -122,18 +145,14 @@ def measure(
     vocab = eng.core.vocab_size
     document = rng.integers(0, vocab, prompt_len - QUESTION).tolist()
     questions = [rng.integers(0, vocab, QUESTION).tolist() for _ in range(2)]
-    rec = Recorder(eng)
-    stream_ids = [f"stream{i}" for i in range(streams)]
-    endless = SamplingParams(temperature=0.0, max_tokens=max_len // 2, ignore_eos=True, output_kind="delta")
-    for rid in stream_ids:
-        eng.add_request(rid, rng.integers(0, vocab, 32).tolist(), endless)
-    for rid in stream_ids:
-        run_until(rec, rid, 2)
+    rec = Recorder(eng, streams, rng)
+    for _ in range(STREAM_TOKENS):  # the streams' starts spread over a request's length
+        rec.step()
     first, start = rec.mark()
     for _ in range(idle_steps):
         rec.step()
     last, end = rec.mark()
-    idle = {**rec.tpot(stream_ids, start, end), **rec.host_ms(first, last)}
+    idle = {**rec.tpot(start, end), **rec.host_ms(first, last)}
     rss_before = rss_bytes()
 
     long_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, output_kind="delta")
@@ -141,7 +160,7 @@ def measure(
     eng.add_request("long", document + questions[0], long_params)
     ttft = run_until(rec, "long", 1) - start
     last, end = rec.mark()
-    prefill = {**rec.tpot(stream_ids, start, end), "steps": last - first, **rec.host_ms(first, last)}
+    prefill = {**rec.tpot(start, end), "steps": last - first, **rec.host_ms(first, last)}
     first, _ = rec.mark()
     run_until(rec, "long", 16)
     last, _ = rec.mark()
@@ -152,7 +171,7 @@ def measure(
     eng.add_request("again", document + questions[1], long_params)
     ttft_again = run_until(rec, "again", 1) - start
     cached = eng.core.block_manager.prefix_hits
-    for rid in stream_ids:
+    for rid in list(eng.core.requests):
         eng.abort_request(rid)
     return {
         "prompt_len": prompt_len,
@@ -186,6 +205,11 @@ def table(r: dict) -> str:
             f"{1e3 * pre['tpot_s']:.1f} ({1e3 * pre['median_gap_s']:.1f}) ms",
         ),
         ("during / idle", f"{pre['tpot_s'] / idle['tpot_s']:.1f}x"),
+        (
+            "new stream requests' TTFT (count) idle / during the prefill",
+            f"{1e3 * idle['stream_ttft_s']:.1f} ({idle['stream_starts']}) / "
+            f"{1e3 * pre['stream_ttft_s']:.1f} ({pre['stream_starts']}) ms",
+        ),
         ("host ms/step (wall, CPU): streams alone", f"{idle['host_ms']:.2f}, {idle['cpu_ms']:.2f}"),
         ("host ms/step (wall, CPU): during the prefill", f"{pre['host_ms']:.2f}, {pre['cpu_ms']:.2f}"),
         ("host ms/step (wall, CPU): the long sequence decoding", f"{dec['host_ms']:.2f}, {dec['cpu_ms']:.2f}"),

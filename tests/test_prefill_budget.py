@@ -90,3 +90,21 @@ def test_a_long_prompt_shrinks_to_its_pairs_and_saves_them_below_one_token(per_d
     assert chunks[0] == tokens_within(0, per_decode * 16, cap) > chunks[10] >= 1
     assert 0 in chunks  # deep in the prompt a token reads more than a step's pairs: it waits for credit
     assert sum(n == 0 for n in chunks) > sum(n > 0 for n in chunks[-20:])
+
+
+def test_a_short_prompt_goes_before_the_chunks_of_a_long_one():
+    """While a long prompt prefills in capped chunks, a waiting prompt that fits the step's prompt cap
+    whole is admitted at once and the long prompt takes the rest of the cap, so new requests are not
+    held behind every chunk of a 128K prompt; a waiting prompt longer than the cap waits its turn."""
+    layout = CoreLayout(4, 64, prefill_tokens_per_decode=1)  # 16 prompt tokens a step beside decodes
+    sched = Scheduler(BlockManager(512, 4), layout)
+    a = Sequence("a", 0, list(range(8)), PARAMS, 0, None)
+    sched.add(a)
+    _step(sched)
+    sched.add(Sequence("long", 1, list(range(1000, 1400)), PARAMS, 0, None))
+    assert dict(_step(sched)) == {"a": 1, "long": 16}
+    sched.add(Sequence("short", 2, list(range(2000, 2010)), PARAMS, 0, None))
+    assert dict(_step(sched)) == {"a": 1, "long": 6, "short": 10}
+    assert dict(_step(sched)) == {"a": 1, "long": 16, "short": 1}
+    sched.add(Sequence("medium", 3, list(range(3000, 3020)), PARAMS, 0, None))
+    assert dict(_step(sched)) == {"a": 1, "long": 16, "short": 1}

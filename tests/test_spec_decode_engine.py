@@ -56,7 +56,8 @@ def test_greedy_with_a_draft_model_is_token_identical(plain, scan_layers):
     draft is the target itself (same preset and seed): its drafts are accepted only if its pool
     mirrors the target's, token for token. Unrolled layers (both models') match the scanned plain run."""
     spec = {"method": "draft_model", "model": "tiny-qwen3", "num_speculative_tokens": 3}
-    eng = engine(**SMALL, speculative_config=spec, scan_layers=scan_layers)
+    # 22 blocks: the short prompt r6 is admitted beside r5's chunks, and the pool must still run short
+    eng = engine(**{**SMALL, "num_gpu_blocks_override": 22}, speculative_config=spec, scan_layers=scan_layers)
     runner = eng.core.runner
     assert runner.proposer is not None
     assert (runner.layer_graph is not None) == (runner.proposer.device.layer_graph is not None) == scan_layers

@@ -154,6 +154,7 @@ class Scheduler:
         prefill = self.prefill.cap(len(running))
         pair_left = self.prefill.pair_cap(len(running))
         starved = False  # a prompt chunk got no token for want of pairs
+        held: tuple[int, int] | None = None  # (tokens, pairs) left to a short waiting prompt, once asked
         i = 0
         while i < len(running) and budget > 0:  # the hot loop at large batches: kept to plain reads
             seq = running[i]
@@ -161,9 +162,12 @@ class Scheduler:
             total = len(seq.tokens) + seq.num_pending
             n = total - computed
             chunk = n > 1  # a prompt chunk (or a preempted sequence's recompute)
-            if chunk:  # within the step's prompt tokens and pairs
-                n = tokens_within(computed, min(n, prefill), pair_left)
-                starved = starved or n == 0 < prefill
+            if chunk:  # within the step's prompt tokens and pairs, less what a short waiting prompt needs
+                if n > prefill and held is None:  # this prompt cannot finish in this step
+                    held = self._short_prompt_waiting(prefill)
+                hold_tokens, hold_pairs = held if n > prefill and held else (0, 0)
+                n = tokens_within(computed, min(n, prefill - hold_tokens), max(pair_left - hold_pairs, 0))
+                starved = starved or n == 0 < prefill - hold_tokens
             elif drafts:
                 extra = len(drafts.get(seq.seq_id, ()))
                 total += extra
@@ -217,6 +221,19 @@ class Scheduler:
             pair_left -= pairs(start, n)
         self.prefill.settle(pair_left, starved)
         return self._output(scheduled, preempted, drafts)
+
+    def _short_prompt_waiting(self, prefill: int) -> tuple[int, int]:
+        """(tokens, pairs) of the waiting queue's head when its whole prompt fits the step's `prefill`
+        tokens: a running prompt that cannot finish in this step leaves them to it, so short prompts do
+        not wait behind every chunk of a long one (vLLM's max_long_partial_prefills); else (0, 0)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs or self.remote is not None:
+            return 0, 0
+        seq = self.waiting.head()
+        start = seq.num_computed_tokens
+        n = seq.num_tokens - start
+        if seq.num_pending or n > prefill or self._no_adapter_slot(seq):
+            return 0, 0
+        return n, pairs(start, n)
 
     def _no_adapter_slot(self, seq: Sequence) -> bool:
         """Whether admitting `seq` would run more LoRA adapters at once than the device has slots."""

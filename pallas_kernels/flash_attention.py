@@ -22,7 +22,6 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.flash_backward import flash_backward
 from pallas_kernels.flash_tiles import (
-    LOG2E,
     OFFSET_SPEC,
     BlockSizes,
     FlashStatic,
@@ -41,7 +40,7 @@ from pallas_kernels.flash_tiles import (
     store_tile,
     tile_rows,
 )
-from pallas_kernels.tile_ops import online_softmax_step
+from pallas_kernels.tile_ops import LOG2E, online_softmax_step
 
 __all__ = ["BlockSizes", "flash_attention"]
 

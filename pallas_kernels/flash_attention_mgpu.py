@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
-from pallas_kernels.flash_tiles import LOG2E
+from pallas_kernels.tile_ops import LOG2E
 
 SWIZZLE = 128  # bytes: the widest swizzle, for 64 bf16 columns a row segment
 CONSUMERS = 2  # warpgroups that compute, 64 query rows each (wgmma's M)

@@ -16,7 +16,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.flash_tiles import (
-    LOG2E,
     OFFSET_SPEC,
     BlockSizes,
     FlashStatic,
@@ -35,7 +34,7 @@ from pallas_kernels.flash_tiles import (
     store_tile,
     tile_rows,
 )
-from pallas_kernels.tile_ops import dot
+from pallas_kernels.tile_ops import LOG2E, dot
 
 
 def _ds(q, k, v, do, lse, delta, q_tok, kv0, q_seg, kv_seg, offset, st: FlashStatic, masked: bool = True):

@@ -6,7 +6,6 @@ tile can see, loads and stores at the true head dim, and the padding and BlockSp
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tile_ops import dot, head_cols, register_head_dim
-
-LOG2E = math.log2(math.e)
+from pallas_kernels.tile_ops import LOG2E, dot, head_cols, register_head_dim
 
 
 @dataclasses.dataclass(frozen=True)

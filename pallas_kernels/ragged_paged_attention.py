@@ -29,9 +29,8 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.kv_quant import is_quantized_kv
 from pallas_kernels.paged_tiles import kernel_work_list, max_work_tiles
 from pallas_kernels.split_merge import merge_splits
-from pallas_kernels.tile_ops import dot, head_cols, online_softmax_step, register_head_dim
+from pallas_kernels.tile_ops import LOG2E, dot, head_cols, online_softmax_step, register_head_dim
 
-LOG2E = math.log2(math.e)
 # Rows x head_dim one program holds in registers (q, the f32 accumulator): past this ptxas spills on
 # sm_90a at 4 warps (benchmarks/kernel_report.py: 708 B at 128 rows x 128), so tiles get 8 warps from
 # 64 x 128 on and never more rows than this.

@@ -1,12 +1,16 @@
-"""Pieces shared by the tiled kernels: float32-accumulating matmul, the online-softmax step, and the
-register width of a head."""
+"""Pieces shared by the tiled kernels: float32-accumulating matmul, the online-softmax step (base-2
+logits: scores times LOG2E), and the register width of a head."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E): the kernels' softmax runs in base 2
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:

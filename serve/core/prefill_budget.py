@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from serve.core.runner.sizing import fit
+
+if TYPE_CHECKING:
+    from serve.core.sequence import Sequence
 
 MIN_COUNTED = 16  # running sequences counted at least: small batches still admit a prompt chunk a step
 UNCAPPED = 1 << 62  # query-key pairs when they are not counted
@@ -29,6 +33,18 @@ def tokens_within(start: int, n: int, budget: int) -> int:
     while m < n and pairs(start, m + 1) <= budget:
         m += 1
     return m
+
+
+def held_for(head: Sequence | None, prefill: int) -> tuple[int, int]:
+    """(tokens, pairs) that a running prompt which cannot finish in this step leaves to `head`, the
+    waiting prompt that may join next (None: none may), when its whole prompt fits the step's `prefill`
+    tokens: short prompts do not wait behind every chunk of a long one (vLLM's
+    max_long_partial_prefills); else (0, 0)."""
+    if head is None or head.num_pending:
+        return 0, 0
+    start = head.num_computed_tokens
+    n = head.num_tokens - start
+    return (n, pairs(start, n)) if n <= prefill else (0, 0)
 
 
 @dataclasses.dataclass

@@ -28,7 +28,18 @@ def token_logprobs(token: int, lp: Logprob, k: int) -> TokenLogprobs:
     return TokenLogprobs(int(token), float(lp[0]), lp[1][:k].tolist(), lp[2][:k].tolist())
 
 
-def collect_prompt_logprobs(seq: Sequence, prompt: LogprobArrays, start: int, n: int, offset: int) -> None:
+def collect_prompt_logprobs(
+    seqs: list[Sequence], starts: np.ndarray, counts: np.ndarray, prompt: LogprobArrays
+) -> None:
+    """Keep a step's prompt logprobs (flat rows, each sequence's `counts` tokens from `starts`) that its
+    sequences asked for."""
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    for seq, start, n, offset in zip(seqs, starts.tolist(), counts.tolist(), offsets.tolist()):
+        if seq.wants_prompt_logprobs:
+            _collect(seq, prompt, start, n, offset)
+
+
+def _collect(seq: Sequence, prompt: LogprobArrays, start: int, n: int, offset: int) -> None:
     """Keep the prompt logprobs of positions start..start+n (flat rows from `offset`) that a sequence asked for."""
     k = seq.params.prompt_logprobs or 0
     if not seq.prompt_logprobs:

@@ -15,7 +15,7 @@ import numpy as np
 from serve.core.decode_loop import loop_steps
 from serve.core.kv_cache import BlockManager
 from serve.core.layout import CoreLayout
-from serve.core.prefill_budget import PrefillBudget, pairs, tokens_within
+from serve.core.prefill_budget import PrefillBudget, held_for, pairs, tokens_within
 from serve.core.request_state import CoreRequest, Logprob, collect_prompt_logprobs, token_logprobs
 from serve.core.scheduling_policy import POLICIES
 from serve.core.sequence import Sequence, Status
@@ -31,18 +31,18 @@ if TYPE_CHECKING:
 
 class Scheduler:
     """Each step spends `max_num_batched_tokens` over at most `max_num_seqs` sequences: running ones
-    first (decodes and unfinished prompt chunks), then waiting prompts. When blocks run out, the
-    policy's choice of running sequence is preempted (blocks freed, recomputed later): the newest
+    first (decodes and unfinished prompt chunks), then waiting prompts, except that a long prompt's
+    chunk leaves room for a waiting prompt that fits the step's prompt cap whole. When blocks run out,
+    the policy's choice of running sequence is preempted (blocks freed, recomputed later): the newest
     under fcfs, the least urgent under priority, the most-served tenant's under fair
     (serve.core.scheduling_policy, which also orders the waiting queue).
 
     Asynchronous scheduling: a running sequence whose last sampled token is still on the device is
     scheduled for it (the runner feeds it from the device); a waiting one is not admitted until its
-    tokens are known, and one that has reached max_tokens is not scheduled again. A decode-only
-    batch that no waiting sequence could join (none waits, or every row is taken) runs
-    `num_scheduler_steps` steps in one jitted loop. With
-    `stream_loops` a loop's tokens reach streams as they are made (serve.core.loop_stream), so streams
-    may loop too; otherwise a stream's rows run single steps, each token its own output."""
+    tokens are known, and one that has reached max_tokens is not scheduled again. A decode-only batch
+    that no waiting sequence could join (none waits, or every row is taken) runs `num_scheduler_steps`
+    steps in one jitted loop. With `stream_loops` a loop's tokens reach streams as they are made
+    (serve.core.loop_stream), so streams may loop too; otherwise a stream's rows run single steps."""
 
     def __init__(
         self,
@@ -164,10 +164,11 @@ class Scheduler:
             chunk = n > 1  # a prompt chunk (or a preempted sequence's recompute)
             if chunk:  # within the step's prompt tokens and pairs, less what a short waiting prompt needs
                 if n > prefill and held is None:  # this prompt cannot finish in this step
-                    held = self._short_prompt_waiting(prefill)
+                    held = held_for(self._joinable_head(), prefill)
                 hold_tokens, hold_pairs = held if n > prefill and held else (0, 0)
-                n = tokens_within(computed, min(n, prefill - hold_tokens), max(pair_left - hold_pairs, 0))
-                starved = starved or n == 0 < prefill - hold_tokens
+                room = max(prefill - hold_tokens, 0)  # chunks that finish this step may have taken some
+                n = tokens_within(computed, min(n, room), max(pair_left - hold_pairs, 0))
+                starved = starved or n == 0 < room
             elif drafts:
                 extra = len(drafts.get(seq.seq_id, ()))
                 total += extra
@@ -222,18 +223,11 @@ class Scheduler:
         self.prefill.settle(pair_left, starved)
         return self._output(scheduled, preempted, drafts)
 
-    def _short_prompt_waiting(self, prefill: int) -> tuple[int, int]:
-        """(tokens, pairs) of the waiting queue's head when its whole prompt fits the step's `prefill`
-        tokens: a running prompt that cannot finish in this step leaves them to it, so short prompts do
-        not wait behind every chunk of a long one (vLLM's max_long_partial_prefills); else (0, 0)."""
-        if not self.waiting or len(self.running) >= self.max_num_seqs or self.remote is not None:
-            return 0, 0
-        seq = self.waiting.head()
-        start = seq.num_computed_tokens
-        n = seq.num_tokens - start
-        if seq.num_pending or n > prefill or self._no_adapter_slot(seq):
-            return 0, 0
-        return n, pairs(start, n)
+    def _joinable_head(self) -> Sequence | None:
+        """The waiting queue's head if it could join the running batch in this step."""
+        joinable = bool(self.waiting) and len(self.running) < self.max_num_seqs and self.remote is None
+        seq = self.waiting.head() if joinable else None
+        return None if seq is None or self._no_adapter_slot(seq) else seq
 
     def _no_adapter_slot(self, seq: Sequence) -> bool:
         """Whether admitting `seq` would run more LoRA adapters at once than the device has slots."""
@@ -312,24 +306,14 @@ class Scheduler:
         """Apply a step's results: each row's tokens appended and checked against the stop rules,
         its pending count settled, finished sequences freed; what each produced goes to `outputs`."""
         if res.prompt_logprobs is not None:
-            offsets = np.concatenate([[0], np.cumsum(sched.num_new)])
-            for i, seq in enumerate(sched.seqs):
-                if seq.wants_prompt_logprobs:
-                    collect_prompt_logprobs(
-                        seq,
-                        res.prompt_logprobs,
-                        int(sched.num_computed[i]),
-                        int(sched.num_new[i]),
-                        int(offsets[i]),
-                    )
+            collect_prompt_logprobs(sched.seqs, sched.num_computed, sched.num_new, res.prompt_logprobs)
         loop = sched.budgets is not None
         made = (sched.samples.astype(np.int32) if sched.budgets is None else sched.budgets).tolist()
         tokens = res.tokens.T.tolist() if loop else res.tokens.tolist()  # rows of tokens, or one token per row
-        emitted = made
-        if res.num_emitted is not None and self.spec is not None:  # rejected drafts' KV is rolled back
-            emitted = self.spec.settle(sched, res.num_emitted, made)
         multi = loop or res.num_emitted is not None
-        if self.spec is not None:  # EAGLE keeps what each row's next step verifies
+        emitted = made
+        if self.spec is not None:  # rejected drafts' KV is rolled back; EAGLE keeps what each row's next step verifies
+            emitted = made if res.num_emitted is None else self.spec.settle(sched, res.num_emitted, made)
             self.spec.after_step(sched, res)
         bs = self.bm.block_size
         plain = res.logprobs is None

@@ -91,7 +91,7 @@ class Recorder:
         """Where the recording stands: (steps so far, time)."""
         return len(self.host), time.perf_counter()
 
-    def tpot(self, start: float, end: float) -> dict[str, float]:
+    def stream_stats(self, start: float, end: float) -> dict[str, float]:
         """The streams' gaps between consecutive tokens of a request that arrived within [start, end]: mean
         (TPOT) and median, in seconds (a step shape's first use compiles it: the mean counts those stalls);
         and the mean TTFT of the stream requests whose first token arrived then, and how many did."""
@@ -152,7 +152,7 @@ def measure(
     for _ in range(idle_steps):
         rec.step()
     last, end = rec.mark()
-    idle = {**rec.tpot(start, end), **rec.host_ms(first, last)}
+    idle = {**rec.stream_stats(start, end), **rec.host_ms(first, last)}
     rss_before = rss_bytes()
 
     long_params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, output_kind="delta")
@@ -160,7 +160,7 @@ def measure(
     eng.add_request("long", document + questions[0], long_params)
     ttft = run_until(rec, "long", 1) - start
     last, end = rec.mark()
-    prefill = {**rec.tpot(start, end), "steps": last - first, **rec.host_ms(first, last)}
+    prefill = {**rec.stream_stats(start, end), "steps": last - first, **rec.host_ms(first, last)}
     first, _ = rec.mark()
     run_until(rec, "long", 16)
     last, _ = rec.mark()

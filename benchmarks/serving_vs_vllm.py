@@ -66,7 +66,8 @@ def running(cmd: list[str], env: dict[str, str], log: Path):
         try:
             yield proc
         finally:
-            os.killpg(proc.pid, 15)
+            with contextlib.suppress(ProcessLookupError):  # a group whose processes all exited already
+                os.killpg(proc.pid, 15)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(30)
             if proc.poll() is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 import jax
@@ -75,27 +74,11 @@ def _jax_nn_attention(
 def _mosaic_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float | None, **features: Any
 ) -> jax.Array:
-    """Our Mosaic GPU forward (Hopper): plain causal or full attention, inference only. `features`:
+    """Our Mosaic GPU kernels (Hopper), forward and backward: plain causal or full attention. `features`:
     the dispatcher's other arguments (segment ids, window, soft-cap), which it refuses when given."""
     if names := [name for name, value in features.items() if value is not None]:
         raise ValueError(f"impl='mosaic' does not support {', '.join(names)}: use impl='pallas'")
-    return _forward_only(q, k, v, causal, scale)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _forward_only(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, scale: float | None) -> jax.Array:
     return flash_attention_mgpu(q, k, v, causal=causal, scale=scale)
-
-
-def _forward_only_fwd(q, k, v, causal, scale):
-    return _forward_only(q, k, v, causal, scale), None
-
-
-def _forward_only_bwd(causal, scale, residuals, do):
-    raise NotImplementedError("impl='mosaic' has no backward pass yet: train with impl='pallas'")
-
-
-_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
 def dot_product_attention(

@@ -1,12 +1,13 @@
-"""Flash attention forward for Hopper in Pallas' Mosaic GPU dialect: TMA copies, wgmma, warp specialization.
+"""Flash attention for Hopper in Pallas' Mosaic GPU dialect: TMA copies, wgmma, warp specialization.
 
-A program owns 128 query rows of one head, split between two consumer warpgroups (64 rows each: a
-wgmma's M); a third, producer warpgroup gives up its registers to them and keeps a ring of `stages`
-K/V tiles in shared memory full by TMA, refilling a slot once both consumers have released it (a
-barrier each for K and V). Each consumer copies its Q rows once, takes QK^T and PV as wgmma (P from
-registers, K transposed in place) with an online base-2 softmax, stops at its causal diagonal
-(masking only the tiles that cross it; the earlier consumer still releases the tiles only the later
-one reads), and writes its rows back by TMA. Inference only (no backward); selected as `impl="mosaic"`.
+A forward program owns 128 query rows of one head, split between two consumer warpgroups (64 rows
+each: a wgmma's M); a third, producer warpgroup gives up its registers to them and keeps a ring of
+`stages` K/V tiles in shared memory full by TMA (mgpu_ops.Ring). Each consumer copies its Q rows once,
+takes QK^T and PV as wgmma (P from registers, K transposed in place) with an online base-2 softmax,
+stops at its causal diagonal (masking only the tiles that cross it; the earlier consumer still
+releases the tiles only the later one reads), and writes its rows and their log-sum-exp back by TMA.
+The backward (flash_backward_mgpu) recomputes probabilities from that log-sum-exp. Selected as
+`impl="mosaic"`.
 
 Off a GPU it runs under Mosaic GPU's interpreter (`interpret=True`), which is how CI checks it.
 """
@@ -24,13 +25,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
+from pallas_kernels.flash_backward_mgpu import flash_backward_mgpu
+from pallas_kernels.mgpu_ops import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    ROWS,
+    AttentionConfig,
+    Ring,
+    causal_mask,
+    in_layout,
+    kv_tiles,
+    mma_nn,
+    mma_nt,
+    ring_scratch,
+    store_rows,
+    tiled_smem,
+    visible_steps,
+    walk_kv,
+)
 from pallas_kernels.tile_ops import LOG2E
 
-SWIZZLE = 128  # bytes: the widest swizzle, for 64 bf16 columns a row segment
-CONSUMERS = 2  # warpgroups that compute, 64 query rows each (wgmma's M)
-CONSUMER_ROWS = 64
-CONSUMER_REGISTERS = 232  # per thread: the consumers take what the producer gives up
-PRODUCER_REGISTERS = 40
+K, V = 0, 1  # the ring's operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,163 +58,103 @@ class MosaicBlocks:
     stages: int = 2
 
     def __post_init__(self) -> None:
-        if self.block_q != CONSUMERS * CONSUMER_ROWS or self.block_k % 64 or self.block_k <= 0:
+        if self.block_q != CONSUMERS * ROWS or self.block_k % 64 or self.block_k <= 0:
             raise ValueError(f"MosaicBlocks: block_q must be 128 and block_k a multiple of 64, got {self}")
         if self.stages < 2:
             raise ValueError(f"MosaicBlocks.stages must be >= 2, got {self.stages}")
 
 
-def _smem(shape: tuple[int, ...], dtype: jnp.dtype) -> Any:
-    """Shared memory laid out for TMA and wgmma: 8-row x 64-column tiles, 128-byte swizzle."""
-    tiling = plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(SWIZZLE)))
-
-
-def _visible_steps(q0: jax.Array, cfg: _Config) -> tuple[jax.Array, jax.Array]:
-    """K/V tiles 64 queries from q0 can see, and how many of them need no mask."""
-    if not cfg.causal:
-        return jnp.int32(cfg.num_steps), jnp.int32(cfg.num_steps)
-    last = q0 + CONSUMER_ROWS + cfg.offset  # one past the last visible key
-    steps = jnp.clip(lax.div(last + cfg.block_k - 1, cfg.block_k), 0, cfg.num_steps)
-    return steps, jnp.clip(lax.div(q0 + cfg.offset + 1, cfg.block_k), 0, steps)
-
-
-def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, k_free, v_free, *p_smem, cfg):
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_bars, *scratch, cfg: AttentionConfig):
     """One program: 128 query rows of one head. Warpgroups 0 and 1 compute 64 rows each; warpgroup 2
-    keeps the K/V ring full, refilling a slot once both consumers have released it."""
+    keeps the K/V ring full."""
+    ring = Ring.of(scratch[:6], cfg.stages)
+    p_smem = scratch[6] if cfg.interpret else None
     tile, head, batch, wg = (lax.axis_index(name) for name in ("q", "heads", "batch", "wg"))
     kv_head = lax.div(head, cfg.group)
-    program_steps, _ = _visible_steps(tile * cfg.block_q + CONSUMER_ROWS, cfg)  # the later consumer's
+    program_steps, _ = visible_steps(tile * cfg.block_q + ROWS, cfg)  # the later consumer's
 
     @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-        def load(step, carry):
-            slot = lax.rem(step, cfg.stages)
-            rows = pl.ds(step * cfg.block_k, cfg.block_k)
-            for ref, smem, ready, free in ((k_ref, k_smem, k_bars, k_free), (v_ref, v_smem, v_bars, v_free)):
-
-                @pl.when(step >= cfg.stages)  # the slot's previous tile released by both consumers
-                def _wait(free=free):
-                    plgpu.barrier_wait(free.at[slot])
-
-                plgpu.copy_gmem_to_smem(ref.at[batch, rows, kv_head], smem.at[slot], ready.at[slot])
-            return carry
-
-        def drain(step, carry):  # the last tiles' releases: every phase of a barrier is waited for
-            for free in (k_free, v_free):
-                plgpu.barrier_wait(free.at[lax.rem(step, cfg.stages)])
-            return carry
-
-        lax.fori_loop(0, program_steps, load, None)
-        lax.fori_loop(jnp.maximum(program_steps - cfg.stages, 0), program_steps, drain, None)
+        ring.fill(kv_tiles(k_ref, v_ref, batch, kv_head, cfg), program_steps)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q0 = tile * cfg.block_q + wg * CONSUMER_ROWS
-        steps, full = _visible_steps(q0, cfg)
+        q0 = tile * cfg.block_q + wg * ROWS
         q_rows = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, CONSUMER_ROWS), head], q_rows, q_bars.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, ROWS), head], q_rows, q_bars.at[wg])
         plgpu.barrier_wait(q_bars.at[wg])
 
         def body(step, carry, masked: bool):
             acc, m, l = carry
-            slot = lax.rem(step, cfg.stages)
-            plgpu.barrier_wait(k_bars.at[slot])
-            s = _scores(q_rows, k_smem.at[slot], cfg) * (cfg.scale * LOG2E)
-            plgpu.barrier_arrive(k_free.at[slot])
+            s = mma_nt(q_rows, ring.take(K, step), cfg.interpret) * (cfg.scale * LOG2E)
+            ring.release(K, step)
             if masked:
-                rows, cols = (_iota(s.shape, axis, cfg) for axis in (0, 1))
-                s = jnp.where(q0 + rows + cfg.offset >= step * cfg.block_k + cols, s, -jnp.inf)
+                s = causal_mask(s, q0, step * cfg.block_k, cfg)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that saw no key yet stays all zero
             p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
             alpha = jnp.exp2(m - m_safe)
             l = l * alpha + p.sum(axis=1)
-            plgpu.barrier_wait(v_bars.at[slot])
-            pv = _values(p.astype(cfg.dtype), v_smem.at[slot], [buf.at[wg] for buf in p_smem], cfg)
-            plgpu.barrier_arrive(v_free.at[slot])
+            scratch_p = None if p_smem is None else p_smem.at[wg]
+            pv = mma_nn(p.astype(cfg.dtype), ring.take(V, step), scratch_p, cfg.interpret)
+            ring.release(V, step)
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
-
-        def release(step, carry):
-            """A tile only the other consumer needs: taken (so that it was loaded) and released."""
-            slot = lax.rem(step, cfg.stages)
-            for ready, free in ((k_bars, k_free), (v_bars, v_free)):
-                plgpu.barrier_wait(ready.at[slot])
-                plgpu.barrier_arrive(free.at[slot])
-            return carry
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         init = (
-            _in_layout(jnp.zeros((CONSUMER_ROWS, cfg.head_dim), jnp.float32), plgpu.Layout.WGMMA, cfg),
-            _in_layout(jnp.full((CONSUMER_ROWS,), -jnp.inf, jnp.float32), rows_layout, cfg),
-            _in_layout(jnp.zeros((CONSUMER_ROWS,), jnp.float32), rows_layout, cfg),
+            in_layout(jnp.zeros((ROWS, cfg.head_dim), jnp.float32), plgpu.Layout.WGMMA, cfg.interpret),
+            in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout, cfg.interpret),
+            in_layout(jnp.zeros((ROWS,), jnp.float32), rows_layout, cfg.interpret),
         )
-        carry = lax.fori_loop(0, full, functools.partial(body, masked=False), init)
-        acc, _, l = lax.fori_loop(full, steps, functools.partial(body, masked=True), carry)
-        lax.fori_loop(steps, program_steps, release, None)
-        l = jnp.where(l == 0.0, 1.0, l)  # rows that see no key (a causal offset < 0): output 0
-        q_rows[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(cfg.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_rows, o_ref.at[batch, pl.ds(q0, CONSUMER_ROWS), head])
-        plgpu.wait_smem_to_gmem(0)
+        acc, m, l = walk_kv(ring, q0, program_steps, cfg, body, init)
+        empty = l == 0.0  # rows that see no key (a causal offset < 0): output 0, lse +inf so backward p = 0
+        l = jnp.where(empty, 1.0, l)
+        store_rows(acc / lax.broadcast_in_dim(l, acc.shape, [0]), q_rows, o_ref.at[batch, pl.ds(q0, ROWS), head])
+        lse = jnp.where(empty, jnp.inf, m + jnp.log2(l))
+        store_rows(lse, lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q0, ROWS)])
 
 
-def _scores(q_smem, k_slot, cfg: _Config) -> jax.Array:
-    """Q K^T [64, block_k] in float32: a wgmma reading K transposed in place. Interpreters before jax
-    0.12 cannot transpose a shared-memory operand, so under them the product is taken from registers."""
-    if cfg.interpret and jax.__version_info__ < (0, 12):
-        return lax.dot_general(q_smem[...], k_slot[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
-        return acc_ref[...]
-
-    return pl.run_scoped(product, plgpu.ACC((CONSUMER_ROWS, cfg.block_k), jnp.float32))
-
-
-def _values(p: jax.Array, v_slot, p_smem: list, cfg: _Config) -> jax.Array:
-    """P V [64, head_dim] in float32: a wgmma with P from registers. The interpreter takes wgmma
-    operands from shared memory only, so there P goes through the one buffer in `p_smem`."""
-    a = p
-    if cfg.interpret:
-        (a,) = p_smem
-        a[...] = p
-
-    def product(acc_ref):
-        plgpu.wgmma(acc_ref, a, v_slot)
-        return acc_ref[...]
-
-    return pl.run_scoped(product, plgpu.ACC((CONSUMER_ROWS, cfg.head_dim), jnp.float32))
+def _forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, cfg: AttentionConfig, params: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The output [B, T, H, D] and its base-2 log-sum-exp [B, H, T] (float32)."""
+    b, t, h, d = q.shape
+    return plgpu.kernel(
+        functools.partial(_kernel, cfg=cfg),
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
+        scratch_types=[
+            tiled_smem((CONSUMERS, ROWS, d), q.dtype),
+            plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+            plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),
+            *ring_scratch([((cfg.block_k, d), q.dtype)] * 2, cfg.stages),
+            *([tiled_smem((CONSUMERS, ROWS, cfg.block_k), q.dtype)] if cfg.interpret else []),
+        ],
+        grid=(t // cfg.block_q, h, b),
+        grid_names=("q", "heads", "batch"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        interpret=params,
+        kernel_name="jaxinfra_flash_fwd_mgpu",
+    )(q, k, v)
 
 
-def _in_layout(x: jax.Array, layout: Any, cfg: _Config) -> jax.Array:
-    """x in the register layout wgmma's accumulators use (the interpreter has no layouts)."""
-    return x if cfg.interpret else plgpu.layout_cast(x, layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: AttentionConfig, params: Any) -> jax.Array:
+    return _forward(q, k, v, cfg, params)[0]
 
 
-def _iota(shape: tuple[int, ...], axis: int, cfg: _Config) -> jax.Array:
-    """Row or column indices of a wgmma accumulator."""
-    if cfg.interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, axis)
-    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+def _attention_fwd(q, k, v, cfg, params):
+    out, lse = _forward(q, k, v, cfg, params)
+    return out, (q, k, v, out, lse)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    causal: bool
-    scale: float
-    offset: int  # query i sits at key position i + offset
-    group: int  # query heads per K/V head
-    block_q: int
-    block_k: int
-    stages: int
-    num_steps: int  # K/V tiles of the whole sequence
-    head_dim: int
-    dtype: jnp.dtype
-    interpret: bool  # run by Mosaic GPU's CPU interpreter
+def _attention_bwd(cfg, params, residuals, do):
+    q, k, v, out, lse = residuals
+    return flash_backward_mgpu(q, k, v, out, lse, do, cfg, params)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def flash_attention_mgpu(
@@ -231,7 +186,7 @@ def flash_attention_mgpu(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     interpret_params = _interpreter() if interpret is True else interpret or None
-    cfg = _Config(
+    cfg = AttentionConfig(
         causal=causal,
         scale=d**-0.5 if scale is None else float(scale),
         offset=s - t,
@@ -244,30 +199,10 @@ def flash_attention_mgpu(
         dtype=q.dtype,
         interpret=interpret_params is not None,
     )
-    return plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg),
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=[
-            _smem((CONSUMERS, CONSUMER_ROWS, d), q.dtype),
-            _smem((cfg.stages, cfg.block_k, d), q.dtype),
-            _smem((cfg.stages, cfg.block_k, d), q.dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),
-            plgpu.Barrier(num_arrivals=1, num_barriers=cfg.stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=cfg.stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=cfg.stages),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=cfg.stages),
-            *([_smem((CONSUMERS, CONSUMER_ROWS, cfg.block_k), q.dtype)] if cfg.interpret else []),
-        ],
-        grid=(t // cfg.block_q, h, b),
-        grid_names=("q", "heads", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        interpret=interpret_params,
-        kernel_name="jaxinfra_flash_fwd_mgpu",
-    )(q, k, v)
+    return _attention(q, k, v, cfg, interpret_params)
 
 
-def _interpreter():
+def _interpreter() -> Any:
     """Mosaic GPU's CPU interpreter (simulated shared memory, barriers and TMA)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 

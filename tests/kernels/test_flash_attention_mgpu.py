@@ -1,7 +1,8 @@
-"""The Mosaic GPU flash attention forward: under Mosaic GPU's CPU interpreter against the jnp reference
-(TMA copies, barriers, the producer and consumer warpgroups, the K/V ring and the online softmax run as
-on the GPU; the wgmma operand forms an interpreter lacks are the only difference: P from registers,
-and before jax 0.12 K transposed in shared memory), and lowered for CUDA as compiled on Hopper."""
+"""The Mosaic GPU flash attention, forward and backward: under Mosaic GPU's CPU interpreter against the
+jnp reference (TMA copies, barriers, the producer and consumer warpgroups, the rings and the online
+softmax run as on the GPU; the wgmma operand forms an interpreter lacks are the only difference: A
+operands from registers, accumulators initialised from registers, and before jax 0.12 transposed
+shared-memory operands), lowered for CUDA as compiled on Hopper, and compiled on a GPU when one runs."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,17 @@ def _inputs(b, t, s, h, kh, d, seed=0):
     q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
     k, v = (jax.random.normal(key, (b, s, kh, d), jnp.float32).astype(jnp.bfloat16) for key in ks[1:])
     return q, k, v
+
+
+def _gradient_errors(attention, q, k, v, causal):
+    """Largest |ours - reference| of dQ, dK, dV for a random output cotangent, over the reference's
+    largest |gradient| (the errors bf16 inputs and outputs allow are ~1% of it)."""
+    do = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+    ours = jax.grad(lambda *x: jnp.sum(attention(*x).astype(jnp.float32) * do), argnums=(0, 1, 2))(q, k, v)
+    loss = lambda *x: jnp.sum(mha_reference(*x, causal=causal) * do)
+    want = jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    assert [g.dtype for g in ours] == [jnp.bfloat16] * 3 and [g.shape for g in ours] == [q.shape, k.shape, v.shape]
+    return [float(jnp.abs(g.astype(jnp.float32) - w).max() / jnp.abs(w).max()) for g, w in zip(ours, want)]
 
 
 @pytest.mark.parametrize(
@@ -47,16 +59,58 @@ def test_no_races_between_the_producer_and_the_consumers():
     assert not get_races().races_found
 
 
+@pytest.mark.parametrize(
+    "b,t,s,h,kh,d,causal",
+    [
+        (1, 256, 128, 2, 1, 128, True),  # T > S: the first 128 queries see no key (log-sum-exp +inf)
+        (2, 128, 128, 2, 2, 64, False),
+    ],
+)
+def test_interpreted_gradients_match_reference(b, t, s, h, kh, d, causal):
+    q, k, v = _inputs(b, t, s, h, kh, d, seed=1)
+    errors = _gradient_errors(lambda *x: dot_product_attention(*x, causal=causal, impl="mosaic"), q, k, v, causal)
+    assert max(errors) < 2e-2, errors
+
+
+def test_no_races_in_the_backward():
+    """The race detector over the dQ kernel's K/V ring and the dK/dV kernel's query ring (two query
+    heads per K/V head, the ring refilled, causal tiles skipped and released, and a program whose
+    second consumer's keys lie past S = 192)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    q, k, v = _inputs(1, 128, 192, 2, 1, 64, seed=4)
+    params = InterpretGPUParams(detect_races=True)
+    errors = _gradient_errors(lambda *x: flash_attention_mgpu(*x, causal=True, interpret=params), q, k, v, True)
+    assert max(errors) < 2e-2, errors
+    assert not get_races().races_found
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 def test_lowers_for_cuda(d, causal):
-    """The compiled path (wgmma from a transposed K and from registers, WGMMA layouts) lowers to one
-    Mosaic GPU kernel at a training shape, GQA 2."""
+    """The compiled path (wgmma from transposed shared memory and from registers, accumulators
+    initialised from registers, WGMMA layouts) lowers at a training shape, GQA 2: one Mosaic GPU
+    kernel forward, three for a gradient (forward, dQ, dK/dV)."""
     q = jax.ShapeDtypeStruct((2, 2048, 16, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 2048, 8, d), jnp.bfloat16)
-    fn = jax.jit(lambda q, k, v: flash_attention_mgpu(q, k, v, causal=causal, interpret=False))
-    text = fn.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    attention = lambda q, k, v: flash_attention_mgpu(q, k, v, causal=causal, interpret=False)
+    loss = lambda *x: attention(*x).astype(jnp.float32).sum()
+    for fn, kernels in ((attention, 1), (jax.grad(loss, argnums=(0, 1, 2)), 3)):
+        text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == kernels
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_compiled_matches_reference_on_gpu(causal):
+    """On the GPU (gpu_check's kernel step): the compiled kernels, forward and gradients."""
+    q, k, v = _inputs(2, 1024, 1024, 8, 2, 128, seed=5)
+    attention = lambda *x: flash_attention_mgpu(*x, causal=causal, interpret=False)
+    want = mha_reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
+    assert float(jnp.abs(attention(q, k, v).astype(jnp.float32) - want).max()) < 2e-2
+    errors = _gradient_errors(attention, q, k, v, causal)
+    assert max(errors) < 2e-2, errors
 
 
 def test_refusals():
@@ -71,5 +125,3 @@ def test_refusals():
         MosaicBlocks(block_q=64)
     with pytest.raises(ValueError, match="sliding_window"):
         dot_product_attention(q, k, v, impl="mosaic", sliding_window=8)
-    with pytest.raises(NotImplementedError, match="backward"):
-        jax.grad(lambda q: dot_product_attention(q, k, v, impl="mosaic").astype(jnp.float32).sum())(q)

@@ -153,7 +153,8 @@ def flash_attention(
         raise ValueError(f"num query heads {h} must be a multiple of num kv heads {kh}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-    blocks = block_sizes or default_block_sizes(d)
+    traced_offset = q_offset is not None and not isinstance(q_offset, int)
+    blocks = block_sizes or default_block_sizes(d, traced_offset)
     group = group_tile(h // kh)
     st = FlashStatic(
         causal=causal,

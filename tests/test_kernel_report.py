@@ -1,5 +1,6 @@
 """The compile-time kernel report (no GPU): every kernel lowers for CUDA and compiles offline for
-sm_90a, and at the serving shapes nothing spills and shared memory fits."""
+sm_90a, and at the serving shapes (and context parallelism's flash backward, a traced query offset
+at head dim 128) nothing spills and shared memory fits."""
 
 import re
 

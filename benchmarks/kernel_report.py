@@ -314,7 +314,7 @@ def table(rows: list[KernelStats]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the serving shapes and the context-parallel backward at d 128 only")
+    parser.add_argument("--quick", action="store_true", help="serving shapes and the d128 context-parallel backward")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     rows = report(args.quick)

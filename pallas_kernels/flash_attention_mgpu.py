@@ -27,21 +27,20 @@ from jaxtyping import Array, Float
 
 from pallas_kernels.flash_backward_mgpu import flash_backward_mgpu
 from pallas_kernels.mgpu_ops import (
-    CONSUMER_REGISTERS,
     CONSUMERS,
     ROWS,
     AttentionConfig,
-    Ring,
     causal_mask,
+    consumers,
     in_layout,
-    kv_tiles,
     mma_nn,
     mma_nt,
-    ring_scratch,
+    query_program,
+    query_scratch,
     store_rows,
     tiled_smem,
-    visible_steps,
     walk_kv,
+    warp_specialized,
 )
 from pallas_kernels.tile_ops import LOG2E
 
@@ -67,20 +66,12 @@ class MosaicBlocks:
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_bars, *scratch, cfg: AttentionConfig):
     """One program: 128 query rows of one head. Warpgroups 0 and 1 compute 64 rows each; warpgroup 2
     keeps the K/V ring full."""
-    ring = Ring.of(scratch[:6], cfg.stages)
-    p_smem = scratch[6] if cfg.interpret else None
-    tile, head, batch, wg = (lax.axis_index(name) for name in ("q", "heads", "batch", "wg"))
-    kv_head = lax.div(head, cfg.group)
-    program_steps, _ = visible_steps(tile * cfg.block_q + ROWS, cfg)  # the later consumer's
+    program = query_program(k_ref, v_ref, scratch, cfg)
+    ring, head, batch, wg = program.ring, program.head, program.batch, program.wg
 
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        ring.fill(kv_tiles(k_ref, v_ref, batch, kv_head, cfg), program_steps)
-
-    @pl.when(wg < CONSUMERS)
+    @consumers(wg)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q0 = tile * cfg.block_q + wg * ROWS
+        q0 = program.q0(cfg)
         q_rows = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q0, ROWS), head], q_rows, q_bars.at[wg])
         plgpu.barrier_wait(q_bars.at[wg])
@@ -96,8 +87,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_bars, *scra
             p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
             alpha = jnp.exp2(m - m_safe)
             l = l * alpha + p.sum(axis=1)
-            scratch_p = None if p_smem is None else p_smem.at[wg]
-            pv = mma_nn(p.astype(cfg.dtype), ring.take(V, step), scratch_p, cfg.interpret)
+            pv = mma_nn(p.astype(cfg.dtype), ring.take(V, step), program.a_scratch(), cfg.interpret)
             ring.release(V, step)
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l
 
@@ -107,7 +97,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_bars, *scra
             in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout, cfg.interpret),
             in_layout(jnp.zeros((ROWS,), jnp.float32), rows_layout, cfg.interpret),
         )
-        acc, m, l = walk_kv(ring, q0, program_steps, cfg, body, init)
+        acc, m, l = walk_kv(ring, q0, program.steps, cfg, body, init)
         empty = l == 0.0  # rows that see no key (a causal offset < 0): output 0, lse +inf so backward p = 0
         l = jnp.where(empty, 1.0, l)
         store_rows(acc / lax.broadcast_in_dim(l, acc.shape, [0]), q_rows, o_ref.at[batch, pl.ds(q0, ROWS), head])
@@ -120,21 +110,18 @@ def _forward(
 ) -> tuple[jax.Array, jax.Array]:
     """The output [B, T, H, D] and its base-2 log-sum-exp [B, H, T] (float32)."""
     b, t, h, d = q.shape
-    return plgpu.kernel(
+    return warp_specialized(
         functools.partial(_kernel, cfg=cfg),
+        params,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
         scratch_types=[
             tiled_smem((CONSUMERS, ROWS, d), q.dtype),
             plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
             plgpu.Barrier(num_arrivals=1, num_barriers=CONSUMERS),
-            *ring_scratch([((cfg.block_k, d), q.dtype)] * 2, cfg.stages),
-            *([tiled_smem((CONSUMERS, ROWS, cfg.block_k), q.dtype)] if cfg.interpret else []),
+            *query_scratch(d, q.dtype, cfg),
         ],
         grid=(t // cfg.block_q, h, b),
         grid_names=("q", "heads", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        interpret=params,
         kernel_name="jaxinfra_flash_fwd_mgpu",
     )(q, k, v)
 

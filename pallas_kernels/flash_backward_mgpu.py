@@ -23,22 +23,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mgpu_ops import (
-    CONSUMER_REGISTERS,
     CONSUMERS,
     ROWS,
     AttentionConfig,
     Ring,
     causal_mask,
+    consumers,
     in_layout,
-    kv_tiles,
     load_vector,
     mma_nn,
     mma_nt,
+    query_program,
+    query_scratch,
     ring_scratch,
     store_rows,
     tiled_smem,
-    visible_steps,
     walk_kv,
+    warp_specialized,
 )
 from pallas_kernels.tile_ops import LOG2E
 
@@ -52,20 +53,12 @@ def _zeros(d: int, cfg: AttentionConfig) -> jax.Array:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, vec_smem, bars, *scratch, cfg):
     """One program: 128 query rows of one head; warpgroup 2 keeps the K/V ring full."""
-    ring = Ring.of(scratch[:6], cfg.stages)
-    ds_smem = scratch[6] if cfg.interpret else None
-    tile, head, batch, wg = (lax.axis_index(name) for name in ("q", "heads", "batch", "wg"))
-    kv_head = lax.div(head, cfg.group)
-    program_steps, _ = visible_steps(tile * cfg.block_q + ROWS, cfg)
+    program = query_program(k_ref, v_ref, scratch, cfg)
+    ring, head, batch, wg = program.ring, program.head, program.batch, program.wg
 
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        ring.fill(kv_tiles(k_ref, v_ref, batch, kv_head, cfg), program_steps)
-
-    @pl.when(wg < CONSUMERS)
+    @consumers(wg)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q0 = tile * cfg.block_q + wg * ROWS
+        q0 = program.q0(cfg)
         rows = pl.ds(q0, ROWS)
         q_rows, do_rows = q_smem.at[wg], do_smem.at[wg]
         sources: tuple[Any, ...] = (q_ref.at[batch, rows, head], do_ref.at[batch, rows, head])
@@ -85,12 +78,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, 
             dp = mma_nt(do_rows, ring.take(V, step), cfg.interpret)
             ring.release(V, step)
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-            scratch_ds = None if ds_smem is None else ds_smem.at[wg]
-            dq = mma_nn(ds.astype(cfg.dtype), k_slot, scratch_ds, cfg.interpret, acc=dq)
+            dq = mma_nn(ds.astype(cfg.dtype), k_slot, program.a_scratch(), cfg.interpret, acc=dq)
             ring.release(K, step)
             return dq
 
-        dq = walk_kv(ring, q0, program_steps, cfg, body, _zeros(cfg.head_dim, cfg))
+        dq = walk_kv(ring, q0, program.steps, cfg, body, _zeros(cfg.head_dim, cfg))
         store_rows(dq * cfg.scale, q_rows, dq_ref.at[batch, rows, head])
 
 
@@ -129,9 +121,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
         ring.fill(tiles, cfg.group * per_head)
 
-    @pl.when(wg < CONSUMERS)
+    @consumers(wg)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         k0 = tile * CONSUMERS * ROWS + wg * ROWS
         first, full = _query_tiles(k0, num_keys, num_tiles, cfg)
         rows = pl.ds(k0, ROWS)
@@ -179,21 +170,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 def _dq(q, k, v, do, lse, delta, cfg: AttentionConfig, params: Any) -> jax.Array:
     b, t, h, d = q.shape
-    return plgpu.kernel(
+    return warp_specialized(
         functools.partial(_dq_kernel, cfg=cfg),
+        params,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=[
             *[tiled_smem((CONSUMERS, ROWS, d), q.dtype)] * 2,
             plgpu.SMEM((2, CONSUMERS, ROWS), jnp.float32),
             plgpu.Barrier(num_arrivals=1, num_barriers=4 * CONSUMERS),
-            *ring_scratch([((cfg.block_k, d), q.dtype)] * 2, cfg.stages),
-            *([tiled_smem((CONSUMERS, ROWS, cfg.block_k), q.dtype)] if cfg.interpret else []),
+            *query_scratch(d, q.dtype, cfg),
         ],
         grid=(t // cfg.block_q, h, b),
         grid_names=("q", "heads", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        interpret=params,
         kernel_name="jaxinfra_flash_dq_mgpu",
     )(q, k, v, do, lse, delta)
 
@@ -201,8 +189,9 @@ def _dq(q, k, v, do, lse, delta, cfg: AttentionConfig, params: Any) -> jax.Array
 def _dkdv(q, k, v, do, lse, delta, cfg: AttentionConfig, params: Any) -> tuple[jax.Array, jax.Array]:
     b, s, kh, d = k.shape
     tiles = [((ROWS, d), q.dtype)] * 2 + [((ROWS,), jnp.float32)] * 2
-    return plgpu.kernel(
+    return warp_specialized(
         functools.partial(_dkdv_kernel, cfg=cfg),
+        params,
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=[
             *[tiled_smem((CONSUMERS, ROWS, d), q.dtype)] * 2,
@@ -212,9 +201,6 @@ def _dkdv(q, k, v, do, lse, delta, cfg: AttentionConfig, params: Any) -> tuple[j
         ],
         grid=(pl.cdiv(s, CONSUMERS * ROWS), kh, b),
         grid_names=("k", "kv_heads", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        interpret=params,
         kernel_name="jaxinfra_flash_dkdv_mgpu",
     )(q, k, v, do, lse, delta)
 

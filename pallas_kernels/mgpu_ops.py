@@ -1,5 +1,6 @@
 """Pieces the Mosaic GPU attention kernels (forward, dQ, dK/dV) share: shared memory laid out for TMA and
-wgmma, the two wgmma product forms, accumulator layouts, and a producer-filled ring of tiles.
+wgmma, the two wgmma product forms, accumulator layouts, a producer-filled ring of tiles, the causal
+mask, and the program structure (one producer warpgroup, two consumers; a query-side program's K/V walk).
 
 Every piece also runs under Mosaic GPU's CPU interpreter, which lacks some operand forms: there a
 wgmma's register operand goes through a shared-memory scratch, and before jax 0.12 a transposed
@@ -223,11 +224,67 @@ def walk_kv(
     return carry
 
 
-def kv_tiles(k_ref: Any, v_ref: Any, batch: jax.Array, kv_head: jax.Array, cfg: AttentionConfig) -> Callable:
-    """Ring.fill's sources for a query-side program: step i's K and V tiles of one K/V head."""
+@dataclasses.dataclass(frozen=True)
+class QueryProgram:
+    """A query-side program (forward, dQ: 128 query rows of one head): its grid indices and warpgroup,
+    its K/V ring, the K/V steps its later consumer sees, and the interpreter's A-operand scratch."""
+
+    tile: jax.Array
+    head: jax.Array
+    batch: jax.Array
+    wg: jax.Array
+    ring: Ring
+    steps: jax.Array
+    a_smem: Any
+
+    def q0(self, cfg: AttentionConfig) -> jax.Array:
+        """The first of this consumer's query rows."""
+        return self.tile * cfg.block_q + self.wg * ROWS
+
+    def a_scratch(self) -> Any:
+        """This consumer's scratch for mma_nn's A operand (only under the interpreter)."""
+        return None if self.a_smem is None else self.a_smem.at[self.wg]
+
+
+def query_scratch(head_dim: int, dtype: Any, cfg: AttentionConfig) -> list[Any]:
+    """A query-side program's last scratch: the K/V ring, and under the interpreter a [64, block_k]
+    A-operand buffer per consumer."""
+    a_smem = [tiled_smem((CONSUMERS, ROWS, cfg.block_k), dtype)] if cfg.interpret else []
+    return [*ring_scratch([((cfg.block_k, head_dim), dtype)] * 2, cfg.stages), *a_smem]
+
+
+def query_program(k_ref: Any, v_ref: Any, scratch: Sequence[Any], cfg: AttentionConfig) -> QueryProgram:
+    """Start a query-side program: warpgroup CONSUMERS (the producer) fills the K/V ring from
+    `scratch` (query_scratch's) with the tiles of the program's K/V head; the consumers go on."""
+    ring = Ring.of(scratch[:6], cfg.stages)
+    tile, head, batch, wg = (lax.axis_index(name) for name in ("q", "heads", "batch", "wg"))
+    kv_head = lax.div(head, cfg.group)
+    steps, _ = visible_steps(tile * cfg.block_q + ROWS, cfg)  # the later consumer's
 
     def tiles(step: jax.Array) -> tuple[Any, Any]:
         rows = pl.ds(step * cfg.block_k, cfg.block_k)
         return k_ref.at[batch, rows, kv_head], v_ref.at[batch, rows, kv_head]
 
-    return tiles
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        ring.fill(tiles, steps)
+
+    return QueryProgram(tile, head, batch, wg, ring, steps, scratch[6] if cfg.interpret else None)
+
+
+def consumers(wg: jax.Array) -> Callable[[Callable[[], None]], None]:
+    """Decorator: run the function on the consumer warpgroups, with the registers the producer gave up."""
+
+    def run(fn: Callable[[], None]) -> None:
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            fn()
+
+    return run
+
+
+def warp_specialized(body: Callable[..., None], params: Any, **kernel: Any) -> Any:
+    """plgpu.kernel with CONSUMERS compute warpgroups and one producer, as axis "wg"; `params`: the
+    interpreter's (None compiles)."""
+    return plgpu.kernel(body, num_threads=CONSUMERS + 1, thread_name="wg", interpret=params, **kernel)

@@ -41,6 +41,7 @@ from pallas_kernels.mgpu_ops import (
     tiled_smem,
     walk_kv,
     warp_specialized,
+    zeros_acc,
 )
 from pallas_kernels.tile_ops import LOG2E
 
@@ -93,7 +94,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, lse_smem, q_bars, *scra
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         init = (
-            in_layout(jnp.zeros((ROWS, cfg.head_dim), jnp.float32), plgpu.Layout.WGMMA, cfg.interpret),
+            zeros_acc(cfg.head_dim, cfg.interpret),
             in_layout(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout, cfg.interpret),
             in_layout(jnp.zeros((ROWS,), jnp.float32), rows_layout, cfg.interpret),
         )

@@ -29,7 +29,6 @@ from pallas_kernels.mgpu_ops import (
     Ring,
     causal_mask,
     consumers,
-    in_layout,
     load_vector,
     mma_nn,
     mma_nt,
@@ -40,15 +39,12 @@ from pallas_kernels.mgpu_ops import (
     tiled_smem,
     walk_kv,
     warp_specialized,
+    zeros_acc,
 )
 from pallas_kernels.tile_ops import LOG2E
 
 K, V = 0, 1  # the dQ ring's operands
 Q, DO, LSE, DELTA = 0, 1, 2, 3  # the dK/dV ring's operands
-
-
-def _zeros(d: int, cfg: AttentionConfig) -> jax.Array:
-    return in_layout(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA, cfg.interpret)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, vec_smem, bars, *scratch, cfg):
@@ -82,7 +78,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, 
             ring.release(K, step)
             return dq
 
-        dq = walk_kv(ring, q0, program.steps, cfg, body, _zeros(cfg.head_dim, cfg))
+        dq = walk_kv(ring, q0, program.steps, cfg, body, zeros_acc(cfg.head_dim, cfg.interpret))
         store_rows(dq * cfg.scale, q_rows, dq_ref.at[batch, rows, head])
 
 
@@ -127,6 +123,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         first, full = _query_tiles(k0, num_keys, num_tiles, cfg)
         rows = pl.ds(k0, ROWS)
         k_rows, v_rows = k_smem.at[wg], v_smem.at[wg]
+        scratch_p = None if p_smem is None else p_smem.at[wg]
 
         @pl.when(k0 < num_keys)
         def _load():
@@ -143,7 +140,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                 s = causal_mask(s, i * ROWS, k0, cfg, keys_on_rows=True)
             lse = ring.load_vector(LSE, step, 0, cfg.interpret)
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))
-            scratch_p = None if p_smem is None else p_smem.at[wg]
             dv = mma_nn(p.astype(cfg.dtype), do_slot, scratch_p, cfg.interpret, acc=dv)
             dp = mma_nt(v_rows, do_slot, cfg.interpret)
             ring.release(DO, step)
@@ -159,7 +155,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             carry = lax.fori_loop(first, full, functools.partial(body, base=base, masked=True), carry)
             return lax.fori_loop(full, num_tiles, functools.partial(body, base=base, masked=False), carry)
 
-        zeros = _zeros(cfg.head_dim, cfg)
+        zeros = zeros_acc(cfg.head_dim, cfg.interpret)
         dk, dv = lax.fori_loop(0, cfg.group, head_pass, (zeros, zeros))
 
         @pl.when(k0 < num_keys)

@@ -70,24 +70,29 @@ def mma_nt(a_smem: Any, b_smem: Any, interpret: bool) -> jax.Array:
 
 def mma_nn(a: jax.Array, b_smem: Any, scratch: Any, interpret: bool, acc: jax.Array | None = None) -> jax.Array:
     """A B [ROWS, columns of B] in float32 with A in registers, added to `acc` in place when given.
-    Under the interpreter A goes through `scratch` (shared memory of A's shape), and `acc` is added after."""
+    Under the interpreter A goes through `scratch` (shared memory of A's shape), and `acc` is added after
+    (the interpreter cannot lower an accumulator initialised from registers)."""
     if interpret:
         scratch[...] = a
         a = scratch
-    if acc is not None and interpret:  # the interpreter cannot lower an accumulator initialised from registers
-        return acc + mma_nn(a[...], b_smem, scratch, interpret)
-    if acc is None:
 
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, a, b_smem)
-            return acc_ref[...]
-
-        return pl.run_scoped(product, plgpu.ACC((ROWS, b_smem.shape[1]), jnp.float32))
-
-    def accumulate(acc_ref):
+    def multiply(acc_ref):
         plgpu.wgmma(acc_ref, a, b_smem)
 
-    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+    if acc is not None and not interpret:
+        return pl.run_state(multiply)(plgpu.ACC.init(acc))
+
+    def product(acc_ref):
+        multiply(acc_ref)
+        return acc_ref[...]
+
+    out = pl.run_scoped(product, plgpu.ACC((ROWS, b_smem.shape[1]), jnp.float32))
+    return out if acc is None else acc + out
+
+
+def zeros_acc(cols: int, interpret: bool) -> jax.Array:
+    """A [ROWS, cols] float32 accumulator of zeros, in wgmma's layout."""
+    return in_layout(jnp.zeros((ROWS, cols), jnp.float32), plgpu.Layout.WGMMA, interpret)
 
 
 def store_rows(x: jax.Array, smem: Any, gmem: Any) -> None:

@@ -1,11 +1,26 @@
-"""Shared fixtures. jax runs on CPU with float32 matmuls at full precision; nothing reaches the network."""
+"""Shared fixtures. jax runs on CPU with float32 matmuls at full precision; nothing reaches the network;
+one compilation cache serves the whole run; the run's slowest files are reported against CI's budget."""
 
 import os
 import socket
 
 import pytest
 
+from tests import run_cache, run_report
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    run_cache.configure(config)
+    run_report.register(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    run_cache.configure_node(node)
+
+
 
 _LOCAL = ("127.", "::1", "localhost", "0.0.0.0")
 _connect = socket.socket.connect

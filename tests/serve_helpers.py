@@ -24,7 +24,6 @@ ENGINE_DEFAULTS = dict(
     max_num_seqs=8,
     max_num_batched_tokens=64,
     num_gpu_blocks_override=64,
-    compilation_cache_dir="",
 )
 
 

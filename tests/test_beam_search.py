@@ -68,7 +68,6 @@ def test_beam_search_equals_transformers(tmp_path, family, seed):
         max_num_seqs=8,
         max_num_batched_tokens=32,
         num_gpu_blocks_override=96,
-        compilation_cache_dir="",
     )
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 300, n).tolist() for n in (5, 12)]

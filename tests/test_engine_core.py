@@ -125,7 +125,6 @@ def test_llm_generate_leaves_nothing_queued_after_a_rejected_prompt():
         max_num_batched_tokens=32,
         kv_cache_memory=2**21,
         block_size=8,
-        compilation_cache_dir="",
     )
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4))

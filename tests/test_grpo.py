@@ -12,7 +12,7 @@ from jaxinfra.rl import GRPOConfig, GRPOLearner, group_advantages, grpo_loss, pa
 from serve import LLM, SamplingParams
 from tests.hf_oracle import make_hf_model, save_hf_model
 
-ENGINE = dict(max_model_len=64, block_size=8, max_num_seqs=8, num_gpu_blocks_override=64, compilation_cache_dir="")
+ENGINE = dict(max_model_len=64, block_size=8, max_num_seqs=8, num_gpu_blocks_override=64)
 
 
 @pytest.fixture(scope="module")

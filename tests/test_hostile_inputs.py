@@ -1,5 +1,6 @@
 """A hostile client's malformed requests: each is a 4xx with OpenAI's error JSON naming the field (never
-a 500), and the keep-alive connection it came on serves the next request. One server for the module."""
+a 500), and the keep-alive connection it came on serves the next request. One server for the module, a
+real uvicorn and frontend over the fake core (the requests that pass validation need no real tokens)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from fastapi.responses import JSONResponse
 
 from serve.http.openai_protocol import OpenAIError
 from serve.sampling_params import SamplingParams
-from tests.server_helpers import MODEL_NAME, running_server
+from tests.fake_engine import fake_server
+from tests.server_helpers import MODEL_NAME
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
@@ -22,7 +24,7 @@ RESPONSE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, Any]]:
-    with running_server() as served:
+    with fake_server() as served:
         yield served
 
 

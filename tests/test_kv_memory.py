@@ -121,7 +121,7 @@ ONE_COPY = """
 import gc, jax
 from jaxinfra.loading import DEFAULT_MODEL
 from serve import LLM
-llm = LLM(str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4, compilation_cache_dir="")
+llm = LLM(str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4)
 gc.collect()
 runner = llm.engine.core.runner
 held = sum(a.nbytes for a in runner.weights) + sum(a.nbytes for a in jax.tree.leaves(runner.kv_cache))

@@ -42,7 +42,6 @@ def long_engine(**kwargs) -> LLMEngine:
         max_num_batched_tokens=CHUNK,
         num_gpu_blocks_override=LONGEST // 16 + 64,
         scan_layers=False,
-        compilation_cache_dir="",
     )
     return LLMEngine(jaxinfra.load_model(MODEL), None, EngineArgs(**{**args, **kwargs}))
 

@@ -88,7 +88,6 @@ def test_engine_serves_head_dims_that_are_not_powers_of_two(head_dim):
             max_num_batched_tokens=32,
             num_gpu_blocks_override=16,
             attn_impl=impl,
-            compilation_cache_dir="",
         )
         eng = LLMEngine(model, None, args)
         pool = eng.core.runner.kv_cache.k

@@ -60,7 +60,6 @@ def test_paged_engine_greedy_matches_transformers_generate(tmp_path):
         max_num_batched_tokens=16,
         max_num_seqs=4,
         num_gpu_blocks_override=32,
-        compilation_cache_dir="",
     )
     eng = LLMEngine(jaxinfra.load_model(path), None, args)
     rng = np.random.default_rng(5)

@@ -39,7 +39,7 @@ def test_bad_expert_parallel_sizes_are_errors_naming_the_field():
         EngineArgs(tensor_parallel_size=2, expert_parallel_size=3)
     with pytest.raises(ValueError, match=r"EngineArgs.expert_parallel_size must be 1 or tensor_parallel_size"):
         EngineArgs(tensor_parallel_size=2, expert_parallel_size=4, enable_expert_parallel=True)
-    small = dict(max_model_len=64, num_gpu_blocks_override=16, compilation_cache_dir="")
+    small = dict(max_model_len=64, num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match=r"EngineArgs.expert_parallel_size \(3\) must divide the model's num_experts"):
         LLMEngine(abstract_model("tiny-mixtral"), None, EngineArgs(expert_parallel_size=3, **small))
     with pytest.raises(ValueError, match=r"EngineArgs.expert_parallel_size \(2\) needs a mixture-of-experts model"):

@@ -46,7 +46,6 @@ def test_planned_blocks_equal_allocated(kv_dtype: str, block_size: int, memory: 
         kv_cache_memory=memory,
         max_model_len=128,
         max_num_seqs=4,
-        compilation_cache_dir="",
     )
     core = EngineCore(LlamaModel(TINY, nnx.Rngs(0)), args)
     planned = plan("tiny", TINY, args, Device("cpu", None), WORKLOAD)
@@ -112,7 +111,7 @@ def test_workload_from_jsonl_and_recommended_max_model_len(tmp_path: Path) -> No
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     w = Workload.from_jsonl(path)
     assert (w.prompt_p50, w.prompt_p99, w.output_p50, w.output_p99, w.longest) == (50, 99, 10, 10, 1000)
-    args = EngineArgs(model="tiny", kv_cache_memory=10**8, max_num_seqs=4, compilation_cache_dir="")
+    args = EngineArgs(model="tiny", kv_cache_memory=10**8, max_num_seqs=4)
     p = plan("tiny", TINY.replace(max_position_embeddings=100_000), args, Device("cpu", None), w)
     assert p.recommended_max_model_len == 1200
     small = plan("tiny", TINY.replace(max_position_embeddings=1024), args, Device("cpu", None), w)
@@ -169,7 +168,7 @@ def test_moe_model_plans_dense_weights_only(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_a_step_budget_the_engine_cannot_run_is_refused_for_engine_and_plan_alike() -> None:
-    few = EngineArgs(model="tiny", max_num_batched_tokens=4, max_num_seqs=8, compilation_cache_dir="")
+    few = EngineArgs(model="tiny", max_num_batched_tokens=4, max_num_seqs=8)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(4\) must be >= max_num_seqs \(8\)"):
         step_token_budget(few, 128)
     unchunked = EngineArgs(model="tiny", max_num_batched_tokens=64, max_num_seqs=8, enable_chunked_prefill=False)
@@ -183,7 +182,7 @@ def test_a_draft_models_pool_shares_the_kv_budget_in_engine_and_plan() -> None:
     of the same kv_cache_memory, in the engine and in plan-serve alike."""
     spec = {"method": "draft_model", "model": "default-draft", "num_speculative_tokens": 2}
     args = EngineArgs(
-        model=str(DEFAULT_MODEL), kv_cache_memory=5_000_000, max_model_len=256, max_num_seqs=4, compilation_cache_dir=""
+        model=str(DEFAULT_MODEL), kv_cache_memory=5_000_000, max_model_len=256, max_num_seqs=4
     )
     cfg = load_config(DEFAULT_MODEL)
     alone = plan("default", cfg, args, Device("cpu", None), WORKLOAD)
@@ -206,7 +205,7 @@ def test_an_eagle_heads_weights_are_planned_without_the_embedding_it_shares() ->
     head_cfg = load_config(model_dir(DEFAULT_EAGLE_NAME))
     assert eagle_head_bytes(head_cfg) == held < weight_bytes(head_cfg)
     spec = {"method": "eagle", "model": DEFAULT_EAGLE_NAME, "num_speculative_tokens": 3}
-    args = EngineArgs(model=str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4, compilation_cache_dir="")
+    args = EngineArgs(model=str(DEFAULT_MODEL), max_model_len=256, max_num_seqs=4)
     gpu = Device("small", total=64_000_000, mem_fraction=0.9)
     alone = plan("default", cfg, args, gpu, WORKLOAD)
     eagle = plan("default", cfg, dataclasses.replace(args, speculative_config=spec), gpu, WORKLOAD)

@@ -19,7 +19,7 @@ from tests.server_helpers import MODEL_NAME, call, core_stats, running_server
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "pooling " * 40]
 QUERY, DOCS = "what is a fox", ["a fox is an animal", "paris is in france", "foxes eat mice and berries"]
-SMALL = dict(dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=32, compilation_cache_dir="")
+SMALL = dict(dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=32)
 
 
 @pytest.fixture(scope="module")

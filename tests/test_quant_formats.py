@@ -202,12 +202,12 @@ def test_llm_serves_a_quantized_directory_like_the_model_itself(tmp_path):
         model, [tok.encode(p) for p in prompts], jaxinfra.GenerationConfig(max_new_tokens=12, stop_at_eos=False)
     )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(out), max_model_len=128, compilation_cache_dir="")
+    llm = LLM(str(out), max_model_len=128)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == [list(w) for w in want]
     paths = [".".join(map(str, path)) for path, _ in nnx.to_flat_state(llm.engine.core.runner.state)]
     assert "layers.0.attn.q_proj.qweight" in paths
-    llm8 = LLM(DEFAULT_MODEL, quantization="int8", max_model_len=128, compilation_cache_dir="")
+    llm8 = LLM(DEFAULT_MODEL, quantization="int8", max_model_len=128)
     assert llm8.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
 
 

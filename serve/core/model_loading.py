@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxinfra.loading import load_model
 from jaxinfra.models import LlamaModel
@@ -13,11 +14,15 @@ from serve.config import EngineArgs
 
 
 def enable_compilation_cache(directory: str | None) -> None:
-    """JAX's persistent compilation cache: a restart reuses every compiled step shape."""
+    """JAX's persistent compilation cache: a restart reuses every compiled step shape. jax settles its
+    cache at a process's first compile, so a process that compiled before (a notebook, a test run) has
+    it settled again on the new folder."""
     if not directory:
         return
     os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
+    if jax.config.jax_compilation_cache_dir != directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -24,7 +24,13 @@ import msgspec
 from jaxinfra.loading import load_tokenizer
 from jaxinfra.tokenizer import Tokenizer
 from serve.config import EngineArgs
-from serve.engine.core_client import DEFAULT_HEARTBEAT_TIMEOUT_S, CoreProcess, EngineDeadError
+from serve.engine.core_client import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    CoreFactory,
+    CoreHandle,
+    CoreProcess,
+    EngineDeadError,
+)
 from serve.engine.grammar_check import GrammarChecker
 from serve.engine.input_processor import InputProcessor, Prompt
 from serve.engine.output_processor import OutputProcessor, RequestIteration
@@ -61,9 +67,11 @@ class AsyncEngine:
         restart_attempts: int = DEFAULT_RESTART_ATTEMPTS,
         on_iteration: IterationHook | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        core_factory: CoreFactory = CoreProcess,
     ) -> None:
         """`heartbeat_timeout`: seconds of heartbeat silence after which the core counts as stuck;
-        `restart_attempts`: failed starts in a row before giving up; `on_fatal(reason)`: called then."""
+        `restart_attempts`: failed starts in a row before giving up; `on_fatal(reason)`: called then;
+        `core_factory`: what starts a core (and each restart's): a CoreProcess unless a test says otherwise."""
         if heartbeat_timeout <= 0:
             raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout!r}")
         if restart_attempts < 1:
@@ -76,6 +84,7 @@ class AsyncEngine:
         self.restart_attempts = restart_attempts
         self.on_iteration = on_iteration
         self.on_fatal = on_fatal
+        self.core_factory = core_factory
         self._shut_down = False
         self.core = self._new_core()
         self.max_model_len = self.core.info.max_model_len
@@ -112,9 +121,9 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.error is None and self.core.alive
 
-    def _new_core(self) -> CoreProcess:
+    def _new_core(self) -> CoreHandle:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        core = CoreProcess(self.args, eos, self.warmup, self.heartbeat_timeout)
+        core = self.core_factory(self.args, tuple(eos), self.warmup, self.heartbeat_timeout)
         if self._shut_down:  # shut down while this one started (on a restart's thread)
             core.close()
             raise EngineDeadError("the engine was shut down")

@@ -11,7 +11,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 
@@ -51,6 +52,38 @@ def xla_pool_env(args: EngineArgs) -> dict[str, str]:
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone: what was in flight failed, nothing new is accepted."""
+
+
+class CoreHandle(Protocol):
+    """What the frontend (AsyncEngine) needs of an engine core: CoreProcess is the one that serves; a
+    stand-in of this shape lets the HTTP layer be tested without a model."""
+
+    info: EngineCoreReady
+    last_beat: float | None
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def trouble(self) -> str | None: ...
+
+    async def watch(self) -> str: ...
+
+    async def send(self, msg: EngineCoreRequest | AbortRequests | UtilityCall) -> None: ...
+
+    async def recv(self) -> EngineCoreOutputs: ...
+
+    def new_call(self, method: str, args: list[Any]) -> UtilityCall: ...
+
+    def kill(self) -> None: ...
+
+    def close(self, timeout: float = 5.0) -> None: ...
+
+
+# (args, eos_token_ids, warmup, heartbeat_timeout) -> a started core; CoreProcess itself
+CoreFactory = Callable[[EngineArgs, tuple[int, ...], bool, float], CoreHandle]
 
 
 class CoreProcess:

@@ -10,6 +10,8 @@ bounded in-memory store for `previous_response_id` (oldest dropped first), as vL
 
 from __future__ import annotations
 
+import asyncio
+
 import collections
 import time
 import uuid
@@ -240,7 +242,10 @@ class ServingResponses(GenerationServing):
         chat = chat_request(req, history)
         self.check_request(chat)
         tools = plan_tools(chat, self.state.tools)
-        ids = self.tokenize(self.render_chat(chat.messages, True, None, tools.template_tools), False)
+        text = await asyncio.to_thread(  # templates and tokenizing run off the event loop
+            self.render_chat, chat.messages, True, None, tools.template_tools
+        )
+        ids = await asyncio.to_thread(self.tokenize, text, False)
         conversation = [*history, *input_messages(req.input)]
         gen = ResponseGeneration(
             self.state, chat, [ids], None, chat.requested_max_tokens(), tools=tools, responses=req, history=conversation

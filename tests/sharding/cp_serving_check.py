@@ -20,7 +20,6 @@ ENGINE = dict(
     max_num_seqs=4,
     max_num_batched_tokens=32,  # the 100-token prompt prefills in 4 chunks
     num_gpu_blocks_override=96,
-    compilation_cache_dir="",
 )
 rng = np.random.default_rng(0)
 PROMPTS = [rng.integers(0, 256, n).tolist() for n in (100, 45, 7)]

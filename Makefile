@@ -18,7 +18,7 @@ EXTRAS = serve train ray dev
 
 LINT_PATHS = jaxinfra pallas_kernels sharding serve benchmarks tests scripts
 
-.PHONY: setup run generate lint test test-kernels-newest test-latest lock ci gpu-wheels
+.PHONY: setup run generate lint test test-fast test-kernels-newest test-latest lock ci gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -45,9 +45,14 @@ lint: setup
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
-# Lint, then the test suite and the notebooks (executed top to bottom by nbmake), in random order.
+# Lint, then the test suite and the notebooks (executed top to bottom by nbmake), in random order: what CI runs.
+# The run compiles each step shape once (tests/run_cache.py) and ends with its 30 slowest files against the budget.
 test: lint
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) --nbmake tests notebooks
+
+# The inner loop (under 5 minutes on 2 cores): every test not marked slow, on the same fixtures; no lint.
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) -m "not slow" tests
 
 # Kernel tests (Pallas interpret mode) on Python 3.12 with the newest jax, as on the GPU machine (locked too;
 # `make lock` moves it to the newest jax, `make test-latest` tries the newest without the lock).

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfra.checkpoint import load_hf_model, restore_params
+from jaxinfra.checkpoint import load_hf_model
 from jaxinfra.checkpoint.hf import abstract_model
 from jaxinfra.config import DTYPES, ModelConfig, list_presets
 from jaxinfra.models import LlamaModel
@@ -156,6 +156,8 @@ def _load_run(run_dir: Path, dtype: str | None, attn_impl: str | None) -> LlamaM
     def target(stacked: bool) -> dict:  # the checkpoint says how its layers are laid out
         layout = stack_layers(nnx.to_pure_dict(state)) if stacked else nnx.to_pure_dict(state)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=device), layout)
+
+    from jaxinfra.checkpoint.manager import restore_params  # orbax: only for a run directory
 
     params, _, stacked = restore_params(run_dir / "checkpoints", target)
     params = unstack_layers(params, cfg.num_layers) if stacked else params

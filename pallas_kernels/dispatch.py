@@ -11,7 +11,6 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels import cpu_paged_attention
 from pallas_kernels.attention_reference import mha_reference
 from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu
 from pallas_kernels.metadata import (
     AttentionMetadata,
     ContiguousCacheMetadata,
@@ -78,6 +77,10 @@ def _mosaic_attention(
     the dispatcher's other arguments (segment ids, window, soft-cap), which it refuses when given."""
     if names := [name for name, value in features.items() if value is not None]:
         raise ValueError(f"impl='mosaic' does not support {', '.join(names)}: use impl='pallas'")
+    # imported when asked for: Mosaic GPU's modules take most of a second to import, and a serving
+    # process on CPU (or a GPU run of the Triton kernels) never needs them
+    from pallas_kernels.flash_attention_mgpu import flash_attention_mgpu
+
     return flash_attention_mgpu(q, k, v, causal=causal, scale=scale)
 
 

@@ -1,4 +1,6 @@
-"""The HTTP server over real loopback HTTP, driven by the official `openai` client and raw httpx."""
+"""The HTTP server over real loopback HTTP, driven by the official `openai` client and raw httpx: what
+tokens, streams and aborts do on a real core; validation, keys and admission on the fake one
+(tests/fake_engine.py), where no model runs."""
 
 import asyncio
 
@@ -6,12 +8,20 @@ import httpx
 import openai
 import pytest
 
+from tests.fake_engine import fake_server
 from tests.server_helpers import MODEL_NAME, call, core_stats, eventually, metric, running_server
 
 
 @pytest.fixture(scope="module")
 def server():
     with running_server(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def protocol_server():
+    """The same layout over the fake core: for what the frontend alone decides."""
+    with fake_server(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64) as (url, app):
         yield url, app
 
 
@@ -93,15 +103,15 @@ def _post(url, path, body, **kw):
         ({"model": MODEL_NAME}, 400, "prompt"),
     ],
 )
-def test_bad_completion_requests(server, body, status, param):
-    r = _post(server[0], "/v1/completions", body)
+def test_bad_completion_requests(protocol_server, body, status, param):
+    r = _post(protocol_server[0], "/v1/completions", body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"], err
 
 
-def test_bad_chat_requests_and_malformed_json(server):
-    url = server[0]
+def test_bad_chat_requests_and_malformed_json(protocol_server):
+    url = protocol_server[0]
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = _post(url, "/v1/chat/completions", {"model": MODEL_NAME, "messages": []})
@@ -164,7 +174,7 @@ def test_disconnect_aborts_and_frees_blocks():
 
 
 def test_api_key():
-    with running_server(api_key="s3cret", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16) as (url, _):
+    with fake_server(api_key="s3cret", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16) as (url, _):
         body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
         assert _post(url, "/v1/completions", body).status_code == 401
         r = _post(url, "/v1/completions", body, headers={"Authorization": "Bearer wrong"})
@@ -188,7 +198,7 @@ def test_api_key():
 
 def test_overload_gets_429_counting_sequences():
     """Capacity is max_num_seqs + max_queue sequences (prompts x n), not HTTP calls."""
-    with running_server(
+    with fake_server(
         max_queue=1, max_model_len=512, max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=150
     ) as (url, app):
         body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 400, "ignore_eos": True, "temperature": 0}

@@ -67,12 +67,8 @@ def expected():
     return short, long
 
 
-COMPILE_CACHE: dict[str, str] = {}  # the replicas' persistent compilation cache, one folder for the module
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    COMPILE_CACHE["dir"] = str(tmp_path_factory.mktemp("replica-compile-cache"))
+def cluster():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray Serve kills an HTTP proxy not ready in 5 s (three tries): a 2-core machine busy with the other
     # tests can take longer to import one. The cluster's processes inherit these.
@@ -103,9 +99,9 @@ def deploy(name: str, replicas: int, autoscale: AutoscaleConfig, **spec_kwargs) 
 
     if DEPLOYED.get("app") == name:
         return
-    # replicas share a compilation cache as one machine's replicas would: a replacement or an added
-    # replica loads the step shapes the first ones compiled
-    args = EngineArgs(**{**ENGINE_DEFAULTS, "max_model_len": 128, "compilation_cache_dir": COMPILE_CACHE["dir"]})
+    # replicas share the run's compilation cache as one machine's replicas would: a replacement or an added
+    # replica loads the step shapes the first ones (and the `expected` server, of the same layout) compiled
+    args = EngineArgs(**{**ENGINE_DEFAULTS, "max_model_len": 128})
     spec = ReplicaSpec(args, {"model_name": MODEL_NAME}, warmup=False, cpus=0.5, **spec_kwargs)
     pool = PoolConfig(autoscale, metrics_interval_s=0.2, look_back_period_s=2.0, drain_timeout_s=30.0)
     serve.run(build_ray_app(spec, replicas, pool), name="jaxinfra", route_prefix="/")

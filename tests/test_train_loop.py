@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfra.checkpoint import TrainCheckpointer
+from jaxinfra.checkpoint.manager import TrainCheckpointer
 from jaxinfra.loading import load_model
 from jaxinfra.train.config import build_run_config, load_run_config
 from jaxinfra.train.logger import read_metrics

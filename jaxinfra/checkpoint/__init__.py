@@ -1,6 +1,6 @@
-"""Checkpoints: Hugging Face safetensors import/export; orbax training checkpoints."""
+"""Checkpoints: Hugging Face safetensors import/export here; orbax training checkpoints in
+`jaxinfra.checkpoint.manager` (imported by training only: orbax and grain cost a serving process a second)."""
 
 from jaxinfra.checkpoint.hf import export_hf, load_hf_model
-from jaxinfra.checkpoint.manager import CheckpointConfig, TrainCheckpointer, restore_params
 
-__all__ = ["CheckpointConfig", "TrainCheckpointer", "export_hf", "load_hf_model", "restore_params"]
+__all__ = ["export_hf", "load_hf_model"]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfra.models.layers import DecoderLayer
-from jaxinfra.quant import calibration as cal
+from jaxinfra.quant import decoder_linears as lin
 from jaxinfra.quant.rtn import QuantScheme, fake_quant
 
 MAX_TOKENS = 4096  # calibration tokens used by the searches
@@ -67,7 +67,7 @@ def search_clip(x: jax.Array, w: jax.Array, scheme: QuantScheme, steps: int = 10
     return ratios[jnp.argmin(errors, axis=0)]
 
 
-def _foldable(layer: DecoderLayer, group: cal.InputGroup) -> bool:
+def _foldable(layer: DecoderLayer, group: lin.InputGroup) -> bool:
     """o_proj's input channels map one to one onto v_proj's outputs only without GQA."""
     cfg = layer.attn.cfg
     return group.name != "o_in" or cfg.num_heads == cfg.num_kv_heads
@@ -79,14 +79,14 @@ def awq_layer(layer: DecoderLayer, capture, scheme: QuantScheme) -> dict[str, ja
     One capture serves every scale search: folding a group's scales leaves the other groups' inputs
     unchanged (the float layer computes the same function)."""
     inputs = capture()
-    for group in cal.GROUPS:
+    for group in lin.GROUPS:
         if _foldable(layer, group):
-            w = jnp.concatenate([cal.matrix(layer, name) for name in group.linears], axis=1)
-            cal.fold_scales(layer, group, search_scales(_tokens(inputs[group.name]), w, scheme))
+            w = jnp.concatenate([lin.matrix(layer, name) for name in group.linears], axis=1)
+            lin.fold_scales(layer, group, search_scales(_tokens(inputs[group.name]), w, scheme))
     inputs = capture()
     return {
-        name: search_clip(_tokens(inputs[group.name]), cal.matrix(layer, name), scheme)
-        for group in cal.GROUPS
+        name: search_clip(_tokens(inputs[group.name]), lin.matrix(layer, name), scheme)
+        for group in lin.GROUPS
         for name in group.linears
         if name not in ("attn.q_proj", "attn.k_proj")
     }

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from jaxinfra.models import LlamaModel
-from jaxinfra.quant import calibration as cal
+from jaxinfra.quant import decoder_linears as lin
 from jaxinfra.quant import formats
 from jaxinfra.quant.qlinear import QuantizedLinear
 
@@ -31,7 +31,7 @@ def _read_prefixed(read: Callable[[str], np.ndarray], prefix: str, tensor: str) 
 def linear_prefixes(num_layers: int, hf_name: Callable[[tuple], str]) -> Iterator[tuple[int, str, str]]:
     """(layer, our linear name, HF module prefix) for every decoder linear."""
     for i in range(num_layers):
-        for name in cal.LINEAR_NAMES:
+        for name in lin.LINEAR_NAMES:
             yield i, name, hf_name(("layers", i, *name.split("."))).removesuffix(".weight")
 
 
@@ -55,13 +55,13 @@ def attach(
         if missing:
             raise ValueError(f"quantized {prefix} lacks tensor(s) {missing}")
         layer = model.layers[i]
-        in_shape, out_shape = cal.shapes(layer, name)
+        in_shape, out_shape = lin.shapes(layer, name)
         neutral = reader(functools.partial(_read_prefixed, read, prefix), qcfg)
         k, n = int(np.prod(in_shape)), int(np.prod(out_shape))
         if neutral.values.shape != (k, n):
             raise ValueError(f"{prefix}: quantized weight is {list(neutral.values.shape)[::-1]}, expected [{n}, {k}]")
-        linear = formats.to_quantized_linear(neutral, in_shape, out_shape, dtype, cal.axes(layer, name))
-        cal.put(layer, name, linear)
+        linear = formats.to_quantized_linear(neutral, in_shape, out_shape, dtype, lin.axes(layer, name))
+        lin.put(layer, name, linear)
         used |= {f"{prefix}.{t}" for t in names}
     return used
 
@@ -75,7 +75,7 @@ def quantized_tensors(
     tensors: list[tuple[str, np.ndarray]] = []
     config = None
     for i, name, prefix in linear_prefixes(model.cfg.num_layers, hf_name):
-        ql = cal.get(model.layers[i], name)
+        ql = lin.get(model.layers[i], name)
         if not isinstance(ql, QuantizedLinear):
             continue
         neutral = formats.from_linear(ql)

@@ -13,6 +13,7 @@ from jaxinfra.config import ModelConfig
 from jaxinfra.models import LlamaModel
 from jaxinfra.models.layers import DecoderLayer
 from jaxinfra.quant import calibration as cal
+from jaxinfra.quant import decoder_linears as lin
 from jaxinfra.quant.awq import awq_layer
 from jaxinfra.quant.gptq import gptq, hessian
 from jaxinfra.quant.qlinear import BITS
@@ -117,11 +118,11 @@ def check(model_cfg: ModelConfig, cfg: QuantizeConfig, documents_given: bool = F
 
 
 def _replace(layer: DecoderLayer, name: str, q, scale, zero, scheme: QuantScheme) -> None:
-    in_shape, out_shape = cal.shapes(layer, name)
+    in_shape, out_shape = lin.shapes(layer, name)
     dtype = jnp.dtype(layer.attn.cfg.dtype)
-    axes = cal.axes(layer, name)
+    axes = lin.axes(layer, name)
     linear = to_linear(q, scale, zero, scheme, in_shape=in_shape, out_shape=out_shape, dtype=dtype, axes=axes)
-    cal.put(layer, name, linear)
+    lin.put(layer, name, linear)
 
 
 def quantize_model(
@@ -133,8 +134,8 @@ def quantize_model(
     scheme = cfg.scheme()
     if not cfg.calibrated:
         for layer in model.layers:
-            for name in cal.LINEAR_NAMES:
-                _replace(layer, name, *rtn(cal.matrix(layer, name), scheme), scheme)
+            for name in lin.LINEAR_NAMES:
+                _replace(layer, name, *rtn(lin.matrix(layer, name), scheme), scheme)
         return model
     if tokenizer is None:
         raise ValueError(f"method {cfg.method} needs a tokenizer for its calibration data")
@@ -144,22 +145,22 @@ def quantize_model(
 
     def awq(layer: DecoderLayer, capture) -> None:
         ratios = awq_layer(layer, capture, scheme)
-        for name in cal.LINEAR_NAMES:
-            _replace(layer, name, *rtn(cal.matrix(layer, name), scheme, ratios.get(name)), scheme)
+        for name in lin.LINEAR_NAMES:
+            _replace(layer, name, *rtn(lin.matrix(layer, name), scheme, ratios.get(name)), scheme)
 
     def run_gptq(layer: DecoderLayer, capture) -> None:
-        for group in cal.GROUPS:  # sequential: each group sees the inputs the quantized ones before it give
+        for group in lin.GROUPS:  # sequential: each group sees the inputs the quantized ones before it give
             h = hessian(capture()[group.name])
             for name in group.linears:
                 q, scale, zero = gptq(
-                    cal.matrix(layer, name), h, scheme, damp=cfg.gptq_damp, act_order=cfg.gptq_act_order
+                    lin.matrix(layer, name), h, scheme, damp=cfg.gptq_damp, act_order=cfg.gptq_act_order
                 )
                 _replace(layer, name, q, scale, zero, scheme)
 
     def smoothquant(layer: DecoderLayer, capture) -> None:
         smooth_layer(layer, capture, cfg.smoothquant_alpha)
-        for name in cal.LINEAR_NAMES:
-            _replace(layer, name, *rtn(cal.matrix(layer, name), scheme), scheme)
+        for name in lin.LINEAR_NAMES:
+            _replace(layer, name, *rtn(lin.matrix(layer, name), scheme), scheme)
 
     fn = {"awq": awq, "gptq": run_gptq, "smoothquant": smoothquant}[cfg.method]
     cal.walk_layers(model, rows, fn, desc=f"{cfg.method} {cfg.bits}-bit")

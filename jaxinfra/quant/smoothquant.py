@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfra.models.layers import DecoderLayer
-from jaxinfra.quant import calibration as cal
+from jaxinfra.quant import decoder_linears as lin
 
 
 def smoothing_scales(act_max: jax.Array, w: jax.Array, alpha: float) -> jax.Array:
@@ -24,9 +24,9 @@ def smoothing_scales(act_max: jax.Array, w: jax.Array, alpha: float) -> jax.Arra
 def smooth_layer(layer: DecoderLayer, capture, alpha: float) -> None:
     """Fold smoothing scales into the two norms of a decoder layer (attention input, MLP input)."""
     inputs = capture()
-    for group in cal.GROUPS:
+    for group in lin.GROUPS:
         if group.norm is None:
             continue
         act_max = jnp.max(jnp.abs(inputs[group.name]), axis=0)
-        w = jnp.concatenate([cal.matrix(layer, name) for name in group.linears], axis=1)
-        cal.fold_scales(layer, group, smoothing_scales(act_max, w, alpha))
+        w = jnp.concatenate([lin.matrix(layer, name) for name in group.linears], axis=1)
+        lin.fold_scales(layer, group, smoothing_scales(act_max, w, alpha))

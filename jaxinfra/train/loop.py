@@ -18,7 +18,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxinfra.checkpoint import TrainCheckpointer, export_hf
+from jaxinfra.checkpoint import export_hf
+from jaxinfra.checkpoint.manager import TrainCheckpointer
 from jaxinfra.config import ModelConfig
 from jaxinfra.data import DataLoader
 from jaxinfra.loading import load_config, load_model, load_tokenizer

@@ -16,6 +16,7 @@ from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
+from tests.sharding_meshes import placed  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=128,
@@ -49,7 +50,7 @@ def run(mesh: MeshConfig, devices: int, segments: bool, impl: str = "reference",
     model = LlamaModel(CFG, nnx.Rngs(0), impl)
     trainer = Trainer(model, make_mesh(mesh, jax.devices()[:devices]), get_rules("fsdp"), cfg)
     state = trainer.init_state()
-    b = trainer.shard_batch(batch(segments, seq))
+    b = placed(trainer, batch(segments, seq))
     loss, grads = trainer.gradients(state, b)
     hlo = trainer.step.lower(state, b).compile().as_text()
     gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
@@ -69,7 +70,7 @@ def indivisible() -> str:
     b = batch(False)
     b = {k: v[:, :2046] for k, v in b.items()}
     try:
-        trainer.gradients(trainer.init_state(), trainer.shard_batch(b))
+        trainer.gradients(trainer.init_state(), placed(trainer, b))
     except ValueError as e:
         return str(e)
     return "no error"

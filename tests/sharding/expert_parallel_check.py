@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import jaxinfra  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
+from tests.sharding_meshes import placed  # noqa: E402
 
 STEPS = 20
 
@@ -28,9 +29,7 @@ def run(mesh_cfg: MeshConfig, preset: str, devices: list) -> tuple[list[float], 
     losses, loads, hlo = [], [], ""
     for step in range(STEPS):
         ids = rng.integers(0, 512, (8, 33))
-        batch = trainer.shard_batch(
-            dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((8, 32), np.int32))
-        )
+        batch = placed(trainer, dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((8, 32), np.int32)))
         if step == 0:
             hlo = trainer.step.lower(state, batch).compile().as_text()
         state, m = trainer.step(state, batch)

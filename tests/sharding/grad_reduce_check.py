@@ -25,6 +25,7 @@ from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
 from tests.sharding.pipeline_check import CFG, batch  # noqa: E402
+from tests.sharding_meshes import placed  # noqa: E402
 
 
 def reductions(preset: str, mesh: MeshConfig, grad_reduce_dtype: str) -> dict:
@@ -32,7 +33,7 @@ def reductions(preset: str, mesh: MeshConfig, grad_reduce_dtype: str) -> dict:
     cfg = TrainConfig(microbatches=2, compute_dtype="bfloat16", grad_reduce_dtype=grad_reduce_dtype)
     trainer = Trainer(LlamaModel(CFG, nnx.Rngs(0)), make_mesh(mesh), get_rules(preset), cfg)
     state = trainer.init_state()
-    b = trainer.shard_batch(batch(rows=32, seq=32))
+    b = placed(trainer, batch(rows=32, seq=32))
     before = set(DUMP.iterdir())
     trainer.step.lower(state, b).compile()
     (hlo,) = [p for p in set(DUMP.iterdir()) - before if "step_impl" in p.name and "after_spmd-partitioning" in p.name]

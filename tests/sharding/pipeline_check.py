@@ -15,6 +15,7 @@ from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
+from tests.sharding_meshes import placed  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=128,
@@ -58,7 +59,7 @@ def run(mesh: MeshConfig, devices: int, preset: str, schedule: str, remat: str =
     )
     trainer = Trainer(LlamaModel(CFG, nnx.Rngs(0)), make_mesh(mesh, jax.devices()[:devices]), get_rules(preset), cfg)
     state = trainer.init_state()
-    b = trainer.shard_batch(batch())
+    b = placed(trainer, batch())
     compiled = trainer.step.lower(state, b).compile()
     hlo = compiled.as_text()
     losses = []

@@ -15,7 +15,7 @@ from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer, per_device_bytes  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
-from tests.sharding_meshes import MESHES  # noqa: E402
+from tests.sharding_meshes import MESHES, placed  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=256,
@@ -47,7 +47,7 @@ def run(shape, preset):
         TC,
     )
     state = trainer.init_state()
-    b = trainer.shard_batch(batch())
+    b = placed(trainer, batch())
     loss, grads = trainer.gradients(state, b)
     flat_grads = [np.asarray(g) for g in jax.tree.leaves(grads)]
     memory = {"params": per_device_bytes(state.params), "opt": per_device_bytes(state.opt_state)}
@@ -65,7 +65,7 @@ def indivisible_refused() -> str:
     trainer = Trainer(LlamaModel(CFG, nnx.Rngs(0)), make_mesh(MeshConfig(8, 1, 1)), get_rules("dp"), TC)
     state = trainer.init_state()
     try:
-        trainer.gradients(state, trainer.shard_batch(batch(rows=8)))
+        trainer.gradients(state, placed(trainer, batch(rows=8)))
     except ValueError as e:
         return str(e)
     return ""

@@ -16,6 +16,7 @@ from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer  # noqa: E402
 from sharding import MeshConfig, get_rules, make_mesh  # noqa: E402
+from tests.sharding_meshes import placed  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8
@@ -43,7 +44,7 @@ def activation_all_reduces(remat: str) -> dict[str, int]:
 
 def _batch(trainer):
     ids = np.random.default_rng(0).integers(0, 256, (16, 9))
-    return trainer.shard_batch(dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((16, 8), np.int32)))
+    return placed(trainer, dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=np.ones((16, 8), np.int32)))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxinfra.checkpoint import TrainCheckpointer  # noqa: E402
+from jaxinfra.checkpoint.manager import TrainCheckpointer  # noqa: E402
 from jaxinfra.config import ModelConfig  # noqa: E402
 from jaxinfra.data import DataConfig, DataLoader, load_documents  # noqa: E402
 from jaxinfra.models import LlamaModel  # noqa: E402

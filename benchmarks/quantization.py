@@ -30,7 +30,7 @@ from jaxinfra.data import load_documents
 from jaxinfra.data.pipeline import document_tokens
 from jaxinfra.data.sources import split_documents
 from jaxinfra.quant import QuantizedLinear
-from jaxinfra.quant import calibration as cal
+from jaxinfra.quant import decoder_linears as lin
 from jaxinfra.quant.calibration import KJV_VALID_FRACTION
 from jaxinfra.quant.quantize import QuantizeConfig, quantize_model
 
@@ -58,8 +58,8 @@ def weight_bytes(model: jaxinfra.LlamaModel) -> tuple[int, int]:
     """(bytes of the decoder linears as stored, bytes of the whole model)."""
     linears = 0
     for layer in model.layers:
-        for name in cal.LINEAR_NAMES:
-            w = cal.get(layer, name)
+        for name in lin.LINEAR_NAMES:
+            w = lin.get(layer, name)
             linears += w.nbytes if isinstance(w, QuantizedLinear) else w[...].nbytes
     total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     return linears, total

@@ -21,7 +21,6 @@ def pytest_configure_node(node) -> None:
     run_cache.configure_node(node)
 
 
-
 _LOCAL = ("127.", "::1", "localhost", "0.0.0.0")
 _connect = socket.socket.connect
 

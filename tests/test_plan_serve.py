@@ -181,9 +181,7 @@ def test_a_draft_models_pool_shares_the_kv_budget_in_engine_and_plan() -> None:
     """Speculative decoding with a draft model: its KV pool (as many blocks as the target's) comes out
     of the same kv_cache_memory, in the engine and in plan-serve alike."""
     spec = {"method": "draft_model", "model": "default-draft", "num_speculative_tokens": 2}
-    args = EngineArgs(
-        model=str(DEFAULT_MODEL), kv_cache_memory=5_000_000, max_model_len=256, max_num_seqs=4
-    )
+    args = EngineArgs(model=str(DEFAULT_MODEL), kv_cache_memory=5_000_000, max_model_len=256, max_num_seqs=4)
     cfg = load_config(DEFAULT_MODEL)
     alone = plan("default", cfg, args, Device("cpu", None), WORKLOAD)
     args = dataclasses.replace(args, speculative_config=spec)

@@ -10,7 +10,7 @@ from flax import nnx
 
 import jaxinfra
 from jaxinfra.quant import QuantizedLinear
-from jaxinfra.quant import calibration as cal
+from jaxinfra.quant import decoder_linears as lin
 from jaxinfra.quant.awq import search_clip, search_scales
 from jaxinfra.quant.gptq import gptq, hessian
 from jaxinfra.quant.quantize import QuantizeConfig, load_quantize_config, quantize_model
@@ -114,11 +114,11 @@ def test_awq_folding_keeps_the_float_model(preset):
     before = model(ids)
     layer = model.layers[0]
     rng = np.random.default_rng(0)
-    for group in cal.GROUPS:
+    for group in lin.GROUPS:
         if group.name == "o_in" and model.cfg.num_heads != model.cfg.num_kv_heads:
             continue
-        k = cal.matrix(layer, group.linears[0]).shape[0]
-        cal.fold_scales(layer, group, jnp.asarray(rng.uniform(0.5, 2.0, k), jnp.float32))
+        k = lin.matrix(layer, group.linears[0]).shape[0]
+        lin.fold_scales(layer, group, jnp.asarray(rng.uniform(0.5, 2.0, k), jnp.float32))
     np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(before), atol=2e-4, rtol=0)
 
 
@@ -168,8 +168,8 @@ def test_methods_quantize_the_default_model(kwargs, tol):
     cfg = QuantizeConfig(calibration=EXCERPT, num_samples=8, seq_len=128, **kwargs)
     model = quantize_model(jaxinfra.load_model(), tokenizer, cfg)
     for layer in model.layers:
-        for name in cal.GROUPS[0].linears + cal.GROUPS[3].linears:
-            ql = cal.get(layer, name)
+        for name in lin.GROUPS[0].linears + lin.GROUPS[3].linears:
+            ql = lin.get(layer, name)
             assert isinstance(ql, QuantizedLinear) and ql.bits == cfg.bits
             assert ql.act_bits == (8 if cfg.method == "smoothquant" else None)
     assert abs(heldout_nll(model, tokenizer) - ref) < tol
@@ -180,7 +180,7 @@ def test_pallas_and_reference_quantized_linears_agree():
     model = quantize_model(jaxinfra.load_model(), None, QuantizeConfig(method="rtn", bits=4, symmetric=False))
     ref = model(IDS)
     for layer in model.layers:
-        for group in cal.GROUPS:
+        for group in lin.GROUPS:
             for name in group.linears:
-                cal.get(layer, name).impl = "pallas"
+                lin.get(layer, name).impl = "pallas"
     np.testing.assert_allclose(np.asarray(model(IDS)), np.asarray(ref), atol=1e-4, rtol=0)

@@ -15,7 +15,7 @@ import jaxinfra
 from jaxinfra.checkpoint import export_hf
 from jaxinfra.loading import DEFAULT_MODEL
 from jaxinfra.quant import QuantizedLinear, formats
-from jaxinfra.quant import calibration as cal
+from jaxinfra.quant import decoder_linears as lin
 from jaxinfra.quant.quantize import QuantizeConfig, quantize_model
 from serve import LLM, SamplingParams
 
@@ -93,7 +93,7 @@ def test_compressed_tensors_decompresses_our_weights_to_ours(tmp_path, kwargs):
     ]:
         local = {k.removeprefix(prefix + "."): v for k, v in tensors.items() if k.startswith(prefix + ".")}
         dense = compressor.decompress(local, scheme)["weight"]
-        ql = cal.get(model.layers[i], name)
+        ql = lin.get(model.layers[i], name)
         np.testing.assert_array_equal(dense.float().numpy(), np.asarray(ql.dequantize()).T)
 
 

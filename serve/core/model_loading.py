@@ -20,7 +20,7 @@ def enable_compilation_cache(directory: str | None) -> None:
     if not directory:
         return
     os.makedirs(directory, exist_ok=True)
-    if jax.config.jax_compilation_cache_dir != directory:
+    if jax.config.values.get("jax_compilation_cache_dir") != directory:
         jax.config.update("jax_compilation_cache_dir", directory)
         compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

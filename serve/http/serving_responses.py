@@ -11,7 +11,6 @@ bounded in-memory store for `previous_response_id` (oldest dropped first), as vL
 from __future__ import annotations
 
 import asyncio
-
 import collections
 import time
 import uuid

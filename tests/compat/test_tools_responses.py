@@ -346,9 +346,7 @@ def test_beam_search_over_http_equals_the_offline_api(served, client):
         logprobs=2,
         extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "return_token_ids": True},
     )
-    llm = LLM(
-        PRESET, max_model_len=64, block_size=8, max_num_seqs=8, num_gpu_blocks_override=64
-    )
+    llm = LLM(PRESET, max_model_len=64, block_size=8, max_num_seqs=8, num_gpu_blocks_override=64)
     offline = llm.generate(
         prompt, SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=6, length_penalty=0.5, logprobs=2)
     )[0]

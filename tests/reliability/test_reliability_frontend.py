@@ -35,7 +35,9 @@ def test_huge_bodies_are_refused_unread_while_streams_and_health_stay_live(serve
     health = []
     tokenized: list[str] = []
     encode = engine.tokenizer.encode
-    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *a, **k: tokenized.append(text) or encode(text, *a, **k))
+    monkeypatch.setattr(
+        engine.tokenizer, "encode", lambda text, *a, **k: tokenized.append(text) or encode(text, *a, **k)
+    )
     with background_streams(url) as streams, httpx.Client(timeout=60) as c:
         big = {"model": MODEL_NAME, "prompt": "x" * 5_000_000, "max_tokens": 1}
         r = c.post(f"{url}/v1/completions", json=big)

@@ -14,8 +14,18 @@ MESHES = {
 
 def placed(trainer, batch: dict) -> dict:
     """A host batch on the mesh the way `jaxinfra train` puts it there (Trainer.place_local_batch; this
-    one process holds every row), so the sharded checks run the production batch path."""
+    one process holds every row), so the sharded checks run the production batch path. One device's
+    reference run takes `on_one_device` instead: a bug in the placement then shows as a difference."""
     import numpy as np
 
+    if len(trainer.mesh.devices.flat) == 1:
+        return on_one_device(batch)
     rows = {k: np.asarray(v) for k, v in batch.items()}
     return trainer.place_local_batch(rows, len(rows["input_ids"]))
+
+
+def on_one_device(batch: dict) -> dict:
+    """The reference's batch: the host arrays on the default device, with no placement logic at all."""
+    import jax.numpy as jnp
+
+    return {k: jnp.asarray(v) for k, v in batch.items()}

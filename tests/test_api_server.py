@@ -30,11 +30,13 @@ def client(server):
     return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.slow
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(f"{server[0]}/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_completion_and_streaming_agree(client):
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0)
     full = client.completions.create(**kwargs)
@@ -46,6 +48,7 @@ def test_completion_and_streaming_agree(client):
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
 
 
+@pytest.mark.slow
 def test_chat_and_chat_streaming_agree(client):
     kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi there"}], max_tokens=10, temperature=0)
     full = client.chat.completions.create(**kwargs)
@@ -57,6 +60,7 @@ def test_chat_and_chat_streaming_agree(client):
     assert full.usage.completion_tokens == 10
 
 
+@pytest.mark.slow
 def test_n_stop_and_logprobs(client):
     r = client.completions.create(
         model=MODEL_NAME, prompt=[1, 2, 3, 4], max_tokens=8, n=2, temperature=1.0, seed=3, logprobs=2
@@ -125,6 +129,7 @@ def test_bad_chat_requests_and_malformed_json(protocol_server):
     assert httpx.get(f"{url}/health").status_code == 200  # the engine survived all of it
 
 
+@pytest.mark.slow
 def test_metrics_parse_and_add_up(server, client):
     url = server[0]
     names = (
@@ -148,6 +153,7 @@ def test_metrics_parse_and_add_up(server, client):
     )
 
 
+@pytest.mark.slow
 def test_disconnect_aborts_and_frees_blocks():
     with running_server(max_model_len=2048, max_num_seqs=2, max_num_batched_tokens=64, num_gpu_blocks_override=300) as (
         url,
@@ -221,6 +227,7 @@ def test_overload_gets_429_counting_sequences():
         assert held.json()["usage"]["completion_tokens"] == 800
 
 
+@pytest.mark.slow
 def test_soak_concurrent_streams_with_drops():
     """A few hundred concurrent streaming requests, some clients dropping mid-stream."""
     import sys

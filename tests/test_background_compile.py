@@ -17,6 +17,8 @@ from serve.config import EngineArgs
 from serve.core.runner.warmup import ordered, shape_groups
 from tests.serve_helpers import GREEDY, engine, prompts, reference, run
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_scheduler_steps=4)
 PENALIZED = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

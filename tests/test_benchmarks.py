@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -74,7 +76,6 @@ def test_embeddings_benchmark_quick(tmp_path):
     assert "ratio" in r.stdout
 
 
-@pytest.mark.slow
 def test_multi_lora_benchmark_quick(tmp_path):
     r = _run_quick("multi_lora", tmp_path)
     result = json.loads((tmp_path / "multi_lora.json").read_text())

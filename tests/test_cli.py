@@ -3,10 +3,13 @@
 import subprocess
 import sys
 
+import pytest
 import transformers
 
 from jaxinfra.tokenizer import Tokenizer
 from tests.hf_oracle import make_hf_model, save_hf_model
+
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
 
 
 def _run(*args):

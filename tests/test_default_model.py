@@ -14,8 +14,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxinfra.loading import DEFAULT_MODEL, DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, load_model, load_tokenizer
+
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 CPU_CONFIG = README.parent / "configs" / "serve" / "cpu.yaml"

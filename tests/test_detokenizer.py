@@ -93,6 +93,7 @@ def _sse(url, body):
     return texts, finishes
 
 
+@pytest.mark.slow
 def test_stream_equals_non_stream_for_stop_strings_spanning_tokens():
     with running_server(model=DEFAULT_MODEL, max_model_len=256, block_size=16, num_gpu_blocks_override=128) as (url, _):
         base = {"model": MODEL_NAME, "prompt": "And God said", "max_tokens": 40, "temperature": 0}

@@ -46,6 +46,7 @@ def test_greedy_outputs_identical_under_async_and_decode_loops(expected, kwargs)
         assert eng.core.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_decode_loop_stops_where_single_steps_stop(expected):
     """Stop ids, EOS after min_tokens, max_tokens and logprobs inside a decode loop match single steps."""
     ps, ref = expected
@@ -80,6 +81,7 @@ def test_decode_loop_stops_where_single_steps_stop(expected):
     assert {o.finish_reason for o in outs[8]} == {"stop", "length"}
 
 
+@pytest.mark.slow
 def test_mixed_workload_compiles_nothing_after_warmup():
     """200 requests with every option (logprobs 0-20, prompt logprobs, penalties, min_tokens with stop
     ids, n, seeds, filters, stop strings, structured outputs, logit bias), arriving over time: no compilation
@@ -117,6 +119,7 @@ def test_mixed_workload_compiles_nothing_after_warmup():
     assert eng.core.runner.num_compilations == compiled
 
 
+@pytest.mark.slow
 def test_llm_generate_leaves_nothing_queued_after_a_rejected_prompt():
     llm = LLM(
         "tiny-qwen3",
@@ -183,6 +186,7 @@ def test_a_hit_needs_the_same_parent(monkeypatch):
     bm.check_invariants([a, y, z])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_compiled_steps_never_copy_a_kv_pool(scan_layers):
     """Every step shape updates the donated KV pool (every layer's, stacked) in place: no copy of it,
@@ -225,6 +229,7 @@ print(eng.core.runner.num_compilations, events["hits"], events["misses"], time.p
 """
 
 
+@pytest.mark.slow
 def test_restart_reuses_the_persistent_compilation_cache(tmp_path):
     """A second engine on the same cache directory compiles nothing: every step shape is a cache hit."""
     import subprocess
@@ -247,6 +252,7 @@ def test_restart_reuses_the_persistent_compilation_cache(tmp_path):
     assert any((tmp_path / "cache").iterdir())
 
 
+@pytest.mark.slow
 def test_int8_kv_cache_through_the_engine():
     """kv_cache_dtype=int8 end to end (chunked prefill, decode loop, preemption-free pool): prompt and
     sampled-token logprobs stay within int8 quantisation error of the float cache's, and the same

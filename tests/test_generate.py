@@ -9,6 +9,8 @@ from flax import nnx
 import jaxinfra
 from jaxinfra.sampling import ARGMAX_CHUNK, argmax, filter_logits, sample_logits
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -14,6 +14,8 @@ import pytest
 
 from benchmarks.budget import Recorder
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks/gpu_check.sh"
 
@@ -40,7 +42,6 @@ def _summary_steps(out: Path) -> list[str]:
     ]
 
 
-@pytest.mark.slow
 def test_cpu_dry_run_runs_every_step_into_six_files(tmp_path):
     r = _check(tmp_path, "--cpu-dry-run", timeout=900)
     assert r.returncode == 0, r.stdout.split("## Steps")[-1][:3000] + r.stderr[-2000:]
@@ -144,7 +145,6 @@ def test_kernel_tests_stop_at_the_budget_and_count_what_ran(tmp_path):
     assert row["passed"] == 1 and row["failed"] == 0 and row["not_run"] == row["collected"] - 1 > 0
 
 
-@pytest.mark.slow
 def test_long_context_step_dry_run(tmp_path):
     r = _check(tmp_path, "--cpu-dry-run", "--only", "serving_128k", timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]

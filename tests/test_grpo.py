@@ -100,6 +100,7 @@ def test_an_update_raises_the_log_prob_of_positive_advantage_completions(checkpo
     assert change[1] < 0 and change[3] < 0, change
 
 
+@pytest.mark.slow
 def test_a_short_loop_syncs_every_update_into_the_engine(checkpoint, tmp_path):
     """Rollouts (n per prompt) from the engine, a rule's rewards, an update, update_weights: the next
     rollouts' sampled log-probs are the updated policy's, and greedy outputs equal a fresh engine's."""

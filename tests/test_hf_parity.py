@@ -26,6 +26,7 @@ def test_logits_match_transformers(family_checkpoint):
     np.testing.assert_allclose(ours_logits, hf_logits(hf_model, ids), atol=LOGIT_TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_continuations_match_transformers(family_checkpoint):
     _, hf_model, path = family_checkpoint
     ours = jaxinfra.load_model(path)
@@ -37,6 +38,7 @@ def test_greedy_continuations_match_transformers(family_checkpoint):
         assert tokens == hf_greedy(hf_model, prompt, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,field,value",
     [
@@ -57,6 +59,7 @@ def test_family_features_change_logits(tmp_path, family, field, value):
     assert np.abs(np.asarray(model(ids)) - ref).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_bfloat16_load_is_close_to_float32(tmp_path):
     hf_model = make_hf_model("llama3_rope_scaling")
     path = save_hf_model(hf_model, tmp_path)

@@ -116,6 +116,7 @@ def test_a_kv_pool_smaller_than_max_model_len_is_refused_at_start_naming_both_nu
         long_engine(num_gpu_blocks_override=LONGEST // 16 - 1)
 
 
+@pytest.mark.slow
 def test_http_refuses_prompts_past_max_model_len_with_a_400_while_a_stream_finishes():
     """Token-id prompts of 131,072 and 131,073 tokens (max_model_len 131,072) are 400s naming both
     numbers, answered while a stream runs; the stream gets all its tokens."""

@@ -26,6 +26,8 @@ from tests.lora_helpers import ATTENTION, save_adapter
 from tests.serve_helpers import ENGINE_DEFAULTS, PRESET, prompts
 from tests.server_helpers import MODEL_NAME, call, eventually, serve_in_thread
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 # KV for the four long streams at once (no preemption), three adapter slots
 LORA_ARGS = dict(enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=4, num_gpu_blocks_override=160)
 KEY, USER_KEY = "operator-key", "user-key"

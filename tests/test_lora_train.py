@@ -23,6 +23,8 @@ from jaxinfra.train.loop import train
 from jaxinfra.train.step import TrainConfig, Trainer
 from sharding import MeshConfig, get_rules, make_mesh
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 KJV_EXCERPT = ROOT / "tests" / "fixtures" / "kjv_excerpt.txt"
 
@@ -54,7 +56,6 @@ def test_base_is_frozen_and_has_no_optimizer_state(scan_layers):
             np.testing.assert_array_equal(after[path], value, err_msg=str(path))  # bit-equal base
 
 
-@pytest.mark.slow
 def test_lora_recipe_beats_the_base_model_on_a_held_out_book(tmp_path):
     cfg = load_run_config(
         ROOT / "configs" / "train" / "lora_kjv.yaml",

@@ -7,6 +7,8 @@ import pytest
 import jaxinfra
 from pallas_kernels import PagedKVCache, PagedMetadata
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 BS = 4
 
 

@@ -16,6 +16,8 @@ from serve import LLM, EngineArgs, LoRARequest, SamplingParams
 from tests.lora_helpers import ATTENTION, MLP, save_adapter
 from tests.serve_helpers import ENGINE_DEFAULTS, PRESET, prompts
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # (rank, target modules) of the 8 adapters
 SPECS = [
@@ -55,7 +57,6 @@ def _lora_llm(**kwargs) -> LLM:
     return LLM(**{**ENGINE_DEFAULTS, "enable_lora": True, "max_lora_rank": 8, **kwargs})
 
 
-@pytest.mark.slow
 def test_mixed_batch_of_8_adapters_equals_each_merged(adapters):
     requests, want, base = adapters
     assert len({tuple(w) for w in want}) == len(want)  # the adapters really differ
@@ -68,7 +69,6 @@ def test_mixed_batch_of_8_adapters_equals_each_merged(adapters):
     assert llm.engine.core.runner.lora.loads == 8
 
 
-@pytest.mark.slow
 def test_fewer_slots_than_adapters_swap_with_the_same_outputs(adapters):
     requests, want, base = adapters
     llm = _lora_llm(max_loras=2, max_cpu_loras=3)
@@ -81,7 +81,6 @@ def test_fewer_slots_than_adapters_swap_with_the_same_outputs(adapters):
     assert [o.outputs[0].token_ids for o in again] == want[:2]
 
 
-@pytest.mark.slow
 def test_prefix_cache_keys_include_the_adapter(adapters):
     requests, _, _ = adapters
     llm = _lora_llm(max_loras=2)

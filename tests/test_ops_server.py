@@ -20,6 +20,8 @@ from serve.http.tenants import load_keys_file
 from tests.headless_chromium import chromium_path, open_page
 from tests.server_helpers import MODEL_NAME, core_stats, eventually, metric, running_server
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 KEYS = {
     "small": "sk-small-0001",
     "big": "sk-big-000001",

@@ -10,6 +10,8 @@ from jaxinfra.train import TrainConfig, Trainer
 from jaxinfra.train.memory import activation_bytes, measured_activation_bytes
 from sharding import MeshConfig, get_rules, make_mesh
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 
 def _model(vocab: int, width: int, mlp: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
     return ModelConfig(
@@ -47,7 +49,6 @@ def test_activation_estimate_within_20_percent_of_compiled(name, remat):
     check(name, remat, "reference")
 
 
-@pytest.mark.slow
 def test_activation_estimate_with_flash_attention():
     """Our flash kernel (interpret mode) keeps only its output and log-sum-exp (the policies that
     rematerialize attention do not depend on the kernel)."""

@@ -17,6 +17,8 @@ from serve import LLM, EngineArgs
 from tests.pooling_helpers import make_cross_encoder, make_embedder
 from tests.server_helpers import MODEL_NAME, call, core_stats, running_server
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "pooling " * 40]
 QUERY, DOCS = "what is a fox", ["a fox is an animal", "paris is in france", "foxes eat mice and berries"]
 SMALL = dict(dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=32)

@@ -13,6 +13,8 @@ from jaxinfra.train import OptimConfig, TrainConfig, Trainer
 from jaxinfra.train.compile_cost import train_step_compile_cost
 from sharding import MeshConfig, get_rules, make_mesh
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 24)))
 
 
@@ -68,7 +70,6 @@ def test_trainer_scanned_step_equals_the_loop_step():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.slow
 def test_compiled_step_does_not_grow_with_depth():
     """The issue's bound is compile time at 32 layers within 1.5x of 2 layers; time on a shared CI box
     is noisy, so the test checks what drives it, the size of the optimized program (the benchmark

@@ -32,12 +32,14 @@ def test_staggered_arrivals(expected):
     _check(run(eng, arrivals), expected)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_small_budget(expected):
     ps, _ = expected
     eng = engine(max_num_batched_tokens=16, max_num_seqs=4)
     _check(run(eng, {0: [(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]}), expected)
 
 
+@pytest.mark.slow
 def test_preemption_with_tiny_pool(expected):
     ps, _ = expected
     eng = engine(num_gpu_blocks_override=12, max_model_len=96)
@@ -54,6 +56,7 @@ def test_n_greater_than_one_shares_prompt_blocks(expected):
     assert eng.core.block_manager.prefix_hits >= 2 * (60 // 8) * 8  # siblings reused the 60-token prompt's blocks
 
 
+@pytest.mark.slow
 def test_prefix_cache_same_outputs_and_hits():
     shared = prompts([48], seed=5)[0]
     ps = [shared + tail for tail in prompts([3, 7, 11, 1], seed=6)]
@@ -68,6 +71,7 @@ def test_prefix_cache_same_outputs_and_hits():
     assert outs[True] == outs[False] == reference(ps, GREEDY.max_tokens)
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_warmup():
     eng = engine(max_num_batched_tokens=32, max_num_seqs=8)
     eng.core.runner.warmup()
@@ -80,6 +84,7 @@ def test_no_recompilation_after_warmup():
     assert eng.core.runner.num_compilations == compiled
 
 
+@pytest.mark.slow
 def test_randomized_workload_keeps_invariants():
     rng = np.random.default_rng(11)
     eng = engine(num_gpu_blocks_override=24, max_model_len=120, max_num_batched_tokens=24)
@@ -109,6 +114,7 @@ def test_randomized_workload_keeps_invariants():
     assert len(done) > 10
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_match_transformers(tmp_path):
     import jaxinfra
     from serve import EngineArgs, LLMEngine

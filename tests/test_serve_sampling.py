@@ -11,6 +11,8 @@ from serve import LLM, EngineArgs, SamplingParams
 from serve.engine.async_engine import AsyncEngine
 from tests.serve_helpers import ENGINE_DEFAULTS, engine, prompts, run
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 P = prompts([6, 20, 3, 14], seed=21)
 
 

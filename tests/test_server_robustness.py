@@ -11,6 +11,8 @@ import pytest
 
 from tests.server_helpers import MODEL_NAME, eventually, running_server, stream_body
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 VOCAB = 512  # tiny-qwen3
 
 BAD = [  # (body fields, the param the 400 names)
@@ -113,7 +115,6 @@ def test_killed_core_gives_503_and_error_events():
         assert r.status_code == 503
 
 
-@pytest.mark.slow
 def test_supervisor_restarts_a_dead_core():
     with running_server(restart_on_failure=True, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64) as (
         url,

@@ -11,6 +11,8 @@ from sharding import MeshConfig, get_rules
 from tests.check_scripts import ROOT, run_check
 from tests.sharding_meshes import MESHES
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 PRESETS = list(MESHES)
 
 
@@ -42,7 +44,6 @@ def report():
     return merged
 
 
-@pytest.mark.slow
 def test_loss_gradients_and_curve_match_single_device(report):
     assert {(r["preset"], tuple(r["mesh"])) for r in report["runs"]} == {
         (preset, mesh) for preset, meshes in MESHES.items() for mesh in meshes
@@ -55,7 +56,6 @@ def test_loss_gradients_and_curve_match_single_device(report):
     assert report["ref_losses"][-1] < 0.5 * report["ref_losses"][0]  # the curve really moves
 
 
-@pytest.mark.slow
 def test_memory_per_device(report):
     def mem(preset, mesh=(8, 1, 1)):
         return next(r["memory"] for r in report["runs"] if r["preset"] == preset and tuple(r["mesh"]) == mesh)
@@ -68,7 +68,6 @@ def test_memory_per_device(report):
     assert tp["params"] < dp["params"] / 7
 
 
-@pytest.mark.slow
 def test_plan_report_matches_arrays_and_zero_accounting(report):
     for row in report["plan"]:
         actual = next(
@@ -82,7 +81,6 @@ def test_plan_report_matches_arrays_and_zero_accounting(report):
     assert "shards over the tensor axis" in report["tp_without_tensor_axis"]  # not silently dp numbers
 
 
-@pytest.mark.slow
 def test_collectives_in_compiled_steps(report):
     def run(preset, mesh):
         return next(r for r in report["runs"] if r["preset"] == preset and tuple(r["mesh"]) == mesh)
@@ -96,7 +94,6 @@ def test_collectives_in_compiled_steps(report):
     assert dp["all_gather"] == 0  # strided microbatches stay spread over every device
 
 
-@pytest.mark.slow
 def test_microbatches_that_cannot_spread_over_the_devices_are_refused(report):
     assert "microbatches=2" in report["indivisible_refused"] and "multiple of 8" in report["indivisible_refused"]
 

@@ -23,6 +23,8 @@ from serve import EngineArgs, SamplingParams
 from tests.serve_helpers import PRESET, engine, model, prompts, run
 from tests.test_spec_decode_engine import GREEDY, SMALL, _tokens, _workload
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 K = 3
 
 

@@ -9,6 +9,8 @@ import pytest
 from serve import SamplingParams
 from tests.serve_helpers import engine, prompts, run
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Few compiled shapes (one block-table width, three sequence buckets); 24 blocks of 8 force preemption.
 SMALL = dict(max_model_len=128, max_num_seqs=4, num_gpu_blocks_override=24)

@@ -98,6 +98,7 @@ def test_constrained_outputs_parse_under_batching(client):
     assert checked["object"] >= 3
 
 
+@pytest.mark.slow
 def test_unconstrained_neighbours_unchanged_and_bad_grammars_refused(client):
     free = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=24, temperature=0)
     alone = client.chat.completions.create(**free).choices[0].message.content

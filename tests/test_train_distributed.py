@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from jaxinfra.train.logger import read_metrics
 from tests.check_scripts import run_check
 from tests.train_helpers import tiny_run_config, write_config
+
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
 
 HERE = Path(__file__).parent
 

@@ -20,6 +20,8 @@ from jaxinfra.train.logger import read_metrics
 from jaxinfra.train.loop import train
 from tests.train_helpers import tiny_run_config, write_config
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 
 def _run(cfg: dict):
     return train(build_run_config(json.loads(json.dumps(cfg))), progress=False)

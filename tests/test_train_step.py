@@ -8,6 +8,8 @@ import jaxinfra
 from jaxinfra.train import OptimConfig, TrainConfig, Trainer
 from sharding import MeshConfig, get_rules, make_mesh
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 
 def _batch():
     ids = np.random.default_rng(0).integers(0, 512, (4, 25))

@@ -20,6 +20,8 @@ from serve.http.tenants import Tenant
 from tests.hf_oracle import make_hf_model, save_hf_model
 from tests.server_helpers import MODEL_NAME, running_server, stream_body
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 ENGINE = dict(max_model_len=64, block_size=8, max_num_seqs=4, num_gpu_blocks_override=64)
 PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 9, 10, 11], [5, 17, 99, 3, 42, 7, 8, 9, 60, 61, 62]]  # a shared prefix
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -17,6 +17,8 @@ import pytest
 from jaxinfra.loading import DEFAULT_MODEL
 from tests.server_helpers import running_server
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 NAME = "kjv-small"
 
 # What `benchmark_serving.py` of vLLM <= 0.7 (backend vllm) and SGLang's `bench_serving`
@@ -156,7 +158,6 @@ metric_list:
 """
 
 
-@pytest.mark.slow
 def test_lm_eval_local_completions_loglikelihood(server, tmp_path):
     """lm-eval sends token-id prompts with echo, logprobs 1 and max_tokens 1, and reads the prompt
     tokens' logprobs: the accuracies it reports must be finite numbers."""

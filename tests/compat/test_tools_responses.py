@@ -24,6 +24,8 @@ from serve.http.tool_parsers import ToolConfig
 from tests.serve_helpers import PRESET
 from tests.server_helpers import MODEL_NAME, running_server
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
 
 

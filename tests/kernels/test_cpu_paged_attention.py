@@ -15,6 +15,8 @@ from pallas_kernels.paged_attention_reference import paged_attention_reference, 
 from tests.check_scripts import ROOT
 from tests.kernels.paged_pools import Pool
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 
 def _mixed_batch(q_lens, kv_lens, bs, h, kh, d, seed, pad_tokens=5):
     pool = Pool(kv_lens, bs, kh, "float32", seed=seed, d=d)

@@ -8,6 +8,8 @@ import pytest
 from pallas_kernels import BlockSizes, dot_product_attention, flash_attention, mha_reference
 from tests.kernels.tolerances import f32_atol
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
 
 

@@ -15,6 +15,8 @@ from pallas_kernels.split_merge import merge_splits, merge_splits_reference
 from tests.kernels.paged_pools import QUANTIZED, D, Pool, query_dtype, tolerance
 from tests.kernels.tolerances import f32_atol
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 
 @pytest.mark.parametrize(
     "bs,h,kh,dtype,splits",

@@ -27,6 +27,8 @@ from pallas_kernels.quant_matmul_reference import (
 )
 from tests.kernels.tolerances import f32_atol
 
+pytestmark = pytest.mark.slow  # tens of seconds on 2 cores: make test-fast leaves it out
+
 
 def random_weight(rng, k, n, bits, group, symmetric):
     """Stored weight, scales, zero points and the dense matrix they mean (numpy, by the layout's definition)."""
